@@ -1,0 +1,46 @@
+from django.contrib import admin
+
+from .forms import AgentOptionForm
+from .models import Agent, AgentOption, ServerTool
+from .selectors import server_tool_specs
+
+
+class AgentOptionInline(admin.StackedInline):
+    model = AgentOption
+    form = AgentOptionForm
+    extra = 0
+
+
+class ServerToolInline(admin.StackedInline):
+    model = ServerTool
+    extra = 0
+    fields = ("name", "title", "description", "implementation", "parameters", "settings", "enabled", "position")
+
+
+@admin.register(Agent)
+class AgentAdmin(admin.ModelAdmin):
+    list_display = ("name", "title", "version", "runtime_kind", "enabled", "tenant_list")
+    list_filter = ("runtime_kind", "enabled")
+    search_fields = ("name", "title", "description")
+    filter_horizontal = ("tenants",)
+    inlines = [AgentOptionInline, ServerToolInline]
+    readonly_fields = ("capabilities_preview", "created_at", "updated_at")
+    fieldsets = (
+        (None, {"fields": ("name", "title", "version", "description", "enabled")}),
+        ("Runtime", {"fields": ("runtime_kind", "runtime_config")}),
+        ("Capabilities", {"fields": ("client_tools", "image_http", "image_data", "capabilities_preview")}),
+        ("Access", {"fields": ("tenants",)}),
+        (None, {"fields": ("created_at", "updated_at")}),
+    )
+
+    @admin.display(description="tenants")
+    def tenant_list(self, obj):
+        names = [t.name for t in obj.tenants.all()]
+        return ", ".join(names) if names else "all"
+
+    @admin.display(description="capabilities in /meta")
+    def capabilities_preview(self, obj):
+        if not obj.pk:
+            return "-"
+        tools = ", ".join(spec["name"] for spec in server_tool_specs(obj)) or "none"
+        return f"{obj.capabilities()} — server tools: {tools}"

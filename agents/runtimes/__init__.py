@@ -1,0 +1,31 @@
+"""Registry of runtime kinds: kind name -> Runtime class (imported lazily)."""
+
+from functools import cache
+
+from django.utils.module_loading import import_string
+
+RUNTIME_KINDS = {
+    "echo": "agents.runtimes.echo.EchoRuntime",
+}
+
+
+def kind_choices() -> list[tuple[str, str]]:
+    return [(kind, kind) for kind in RUNTIME_KINDS]
+
+
+@cache
+def runtime_class(kind: str):
+    try:
+        return import_string(RUNTIME_KINDS[kind])
+    except KeyError:
+        raise ValueError(f"Unknown runtime kind {kind!r}; choose one of {', '.join(RUNTIME_KINDS)}.") from None
+
+
+_instances: dict[str, object] = {}
+
+
+def runtime_for(kind: str):
+    """The process-wide runtime instance of a kind (runtimes may keep per-process state)."""
+    if kind not in _instances:
+        _instances[kind] = runtime_class(kind)()
+    return _instances[kind]

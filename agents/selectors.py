@@ -1,0 +1,54 @@
+"""Reads of the agent registry, in the shapes AAP uses."""
+
+from django.db.models import Prefetch
+
+from .models import Agent, AgentOption, ServerTool
+
+
+def agents_for_tenant(tenant):
+    qs = Agent.objects.for_tenant(tenant) if tenant is not None else Agent.objects.filter(enabled=True)
+    return qs.prefetch_related(
+        Prefetch("options", queryset=AgentOption.objects.order_by("position", "id")),
+        Prefetch("server_tools", queryset=ServerTool.objects.filter(enabled=True).order_by("position", "id")),
+    )
+
+
+def agent_for_tenant(name: str, tenant) -> Agent | None:
+    return agents_for_tenant(tenant).filter(name=name).first()
+
+
+def option_info(option: AgentOption) -> dict:
+    info = {"type": option.type, "name": option.name}
+    if option.title:
+        info["title"] = option.title
+    if option.description:
+        info["description"] = option.description
+    if option.type == AgentOption.SELECT:
+        info["options"] = list(option.choices)
+    info["default"] = option.public_default()
+    return info
+
+
+def server_tool_specs(agent: Agent) -> list[dict]:
+    """Every server tool the agent exposes: the runtime's own, then the operator's."""
+    specs = list(agent.runtime.builtin_server_tools(agent.runtime_config or {}))
+    specs.extend(tool.spec() for tool in agent.server_tools.all() if tool.enabled)
+    return specs
+
+
+def agent_info(agent: Agent) -> dict:
+    """An AgentInfo as `GET /meta` shows it: no secret default ever leaves as plaintext."""
+    info = {"name": agent.name}
+    if agent.title:
+        info["title"] = agent.title
+    info["version"] = agent.version
+    if agent.description:
+        info["description"] = agent.description
+    tools = server_tool_specs(agent)
+    if tools:
+        info["tools"] = tools
+    options = [option_info(o) for o in agent.options.all()]
+    if options:
+        info["options"] = options
+    info["capabilities"] = agent.capabilities()
+    return info

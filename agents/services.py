@@ -1,0 +1,217 @@
+"""Writes of the agent registry: the declarative `apply_agents` format and the demo seed.
+
+An entry has the shape of an AgentInfo in /meta plus `runtime: {kind, config}`, per-option
+`default` (or `defaultEnv`, read from the environment when applied), each server tool's
+host `implementation` (and `settings`), `capabilities` toggles, `tenants` and `enabled`.
+Secret defaults are encrypted on the way in; "***" keeps the stored one.
+"""
+
+from __future__ import annotations
+
+import os
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+
+from hosting import crypto
+from hosting.models import Tenant
+
+from .models import Agent, AgentOption, ServerTool
+from .runtimes import RUNTIME_KINDS
+
+
+class AgentFileError(Exception):
+    """A registry entry that cannot be applied; the message says which and why."""
+
+
+def _error(name: str, exc: Exception) -> AgentFileError:
+    if isinstance(exc, ValidationError):
+        parts = []
+        for field, errors in exc.message_dict.items() if hasattr(exc, "error_dict") else [("", exc.messages)]:
+            parts.append(f"{field}: {' '.join(errors)}" if field and field != "__all__" else " ".join(errors))
+        return AgentFileError(f"Agent '{name}': " + "; ".join(parts))
+    return AgentFileError(f"Agent '{name}': {exc}")
+
+
+def _require(entry: dict, key: str, kind, name: str):
+    if key not in entry:
+        raise AgentFileError(f"Agent '{name}': '{key}' is required.")
+    if not isinstance(entry[key], kind):
+        raise AgentFileError(f"Agent '{name}': '{key}' has the wrong type.")
+    return entry[key]
+
+
+def _capability_toggles(entry: dict, name: str, runtime_cls) -> dict:
+    caps = entry.get("capabilities") or {}
+    if not isinstance(caps, dict):
+        raise AgentFileError(f"Agent '{name}': 'capabilities' must be an object.")
+    for key in ("history", "stream"):
+        unsupported = set(caps.get(key) or {}) - set(runtime_cls.supports.get(key, ()))
+        if unsupported:
+            raise AgentFileError(
+                f"Agent '{name}': runtime '{runtime_cls.kind}' does not support {key} {', '.join(sorted(unsupported))}."
+            )
+    image = caps.get("image") or {}
+    return {
+        "client_tools": "tools" in (caps.get("application") or {}),
+        "image_http": "http" in image,
+        "image_data": "data" in image,
+    }
+
+
+def _apply_options(agent: Agent, options: list, name: str) -> None:
+    existing = {o.name: o for o in agent.options.all()}
+    keep = set()
+    for position, spec in enumerate(options):
+        if not isinstance(spec, dict) or "name" not in spec:
+            raise AgentFileError(f"Agent '{name}': every option needs a 'name'.")
+        option = existing.get(spec["name"]) or AgentOption(agent=agent, name=spec["name"])
+        was_secret = option.pk is not None and option.is_secret
+        option.type = spec.get("type", "text")
+        option.title = spec.get("title", "")
+        option.description = spec.get("description", "")
+        option.choices = spec.get("options", []) if option.type == AgentOption.SELECT else []
+        option.position = position
+        default = os.environ.get(spec["defaultEnv"], "") if "defaultEnv" in spec else spec.get("default", "")
+        if not isinstance(default, str):
+            raise AgentFileError(f"Agent '{name}': option '{spec['name']}' default must be a string.")
+        if option.type == AgentOption.SECRET:
+            if default == crypto.REDACTED:
+                if not was_secret:
+                    option.default = ""
+            else:
+                option.set_secret_default(default)
+        else:
+            option.default = default
+        try:
+            option.full_clean(exclude=["agent"])
+        except ValidationError as exc:
+            raise _error(name, exc) from None
+        option.save()
+        keep.add(option.name)
+    agent.options.exclude(name__in=keep).delete()
+
+
+def _apply_tools(agent: Agent, tools: list, name: str) -> None:
+    existing = {t.name: t for t in agent.server_tools.all()}
+    keep = set()
+    for position, spec in enumerate(tools):
+        if not isinstance(spec, dict) or "name" not in spec:
+            raise AgentFileError(f"Agent '{name}': every server tool needs a 'name'.")
+        tool = existing.get(spec["name"]) or ServerTool(agent=agent, name=spec["name"])
+        tool.title = spec.get("title", "")
+        tool.description = spec.get("description", "")
+        tool.parameters = spec.get("parameters") or {}
+        tool.implementation = spec.get("implementation", spec["name"])
+        tool.settings = spec.get("settings") or {}
+        tool.enabled = spec.get("enabled", True)
+        tool.position = position
+        try:
+            tool.full_clean(exclude=["agent"])
+        except ValidationError as exc:
+            raise _error(name, exc) from None
+        tool.save()
+        keep.add(tool.name)
+    agent.server_tools.exclude(name__in=keep).delete()
+
+
+def _apply_entry(entry: dict) -> tuple[Agent, bool]:
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise AgentFileError("Every agent entry must be an object with a 'name'.")
+    name = entry["name"]
+    runtime = _require(entry, "runtime", dict, name)
+    kind = runtime.get("kind")
+    if kind not in RUNTIME_KINDS:
+        raise AgentFileError(f"Agent '{name}': unknown runtime kind {kind!r}; use one of {', '.join(RUNTIME_KINDS)}.")
+    from .runtimes import runtime_class
+
+    toggles = _capability_toggles(entry, name, runtime_class(kind))
+    agent = Agent.objects.filter(name=name).first()
+    created = agent is None
+    agent = agent or Agent(name=name)
+    agent.title = entry.get("title", "")
+    agent.version = entry.get("version", "1.0.0")
+    agent.description = entry.get("description", "")
+    agent.runtime_kind = kind
+    agent.runtime_config = runtime.get("config") or {}
+    agent.enabled = entry.get("enabled", True)
+    for field, value in toggles.items():
+        setattr(agent, field, value)
+    try:
+        agent.full_clean(validate_unique=False)
+    except ValidationError as exc:
+        raise _error(name, exc) from None
+    agent.save()
+    tenant_names = entry.get("tenants") or []
+    tenants = list(Tenant.objects.filter(name__in=tenant_names))
+    missing = sorted(set(tenant_names) - {t.name for t in tenants})
+    if missing:
+        raise AgentFileError(f"Agent '{name}': unknown tenants {', '.join(missing)}; create them first.")
+    agent.tenants.set(tenants)
+    _apply_options(agent, entry.get("options") or [], name)
+    _apply_tools(agent, entry.get("tools") or [], name)
+    return agent, created
+
+
+@transaction.atomic
+def agents_apply(entries: list[dict], *, prune: bool = False) -> dict:
+    """Create or update every agent of the file (all or nothing); `prune` removes the others."""
+    if not isinstance(entries, list):
+        raise AgentFileError("The file must hold a list of agents (or {\"agents\": [...]}).")
+    names = [e.get("name") for e in entries if isinstance(e, dict)]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise AgentFileError(f"Agents listed twice: {', '.join(repeated)}.")
+    report = {"created": [], "updated": [], "removed": []}
+    for entry in entries:
+        agent, created = _apply_entry(entry)
+        report["created" if created else "updated"].append(agent.name)
+    if prune:
+        stale = Agent.objects.exclude(name__in=names)
+        report["removed"] = list(stale.values_list("name", flat=True))
+        stale.delete()
+    return report
+
+
+def load_agents_file(path: str) -> list[dict]:
+    import json
+
+    import yaml
+
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise AgentFileError(f"{path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from None
+    if isinstance(data, dict) and "agents" in data:
+        data = data["agents"]
+    return data
+
+
+ECHO_AGENT = {
+    "name": "echo",
+    "title": "Echo",
+    "version": "1.0.0",
+    "description": "A deterministic agent that echoes the user's message; for tests, demos and benchmarks.",
+    "runtime": {"kind": "echo", "config": {"window": 20}},
+    "options": [
+        {"type": "select", "name": "style", "title": "Style", "options": ["plain", "upper"], "default": "plain"},
+        {"type": "text", "name": "signature", "title": "Signature", "default": ""},
+        {"type": "secret", "name": "apiKey", "title": "API key", "default": crypto.REDACTED},
+    ],
+    "tools": [
+        {"name": "clock", "title": "Clock", "description": "Returns the current UTC time in ISO 8601.",
+         "parameters": {"type": "object", "properties": {}}, "implementation": "clock"},
+        {"name": "add", "title": "Add", "description": "Adds two numbers.",
+         "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                        "required": ["a", "b"]},
+         "implementation": "add"},
+    ],
+    "capabilities": {
+        "history": {"compacted": {}, "full": {}},
+        "stream": {"delta": {}, "message": {}, "none": {}},
+        "application": {"tools": {}},
+        "image": {"http": {}, "data": {}},
+    },
+}

@@ -1,0 +1,67 @@
+from django.contrib import admin, messages
+from django.db.models import Sum
+from django.utils import timezone
+
+from .models import ApiToken, Tenant
+from .services import token_create
+
+
+class ApiTokenInline(admin.TabularInline):
+    model = ApiToken
+    extra = 0
+    fields = ("prefix", "name", "created_at", "last_used_at", "expires_at", "revoked_at")
+    readonly_fields = ("prefix", "created_at", "last_used_at")
+    show_change_link = True
+
+    def has_add_permission(self, request, obj=None):
+        return False  # tokens are added from the token page, where the new token is shown once
+
+
+@admin.register(Tenant)
+class TenantAdmin(admin.ModelAdmin):
+    list_display = ("name", "title", "is_active", "created_at", "prompt_tokens", "completion_tokens")
+    search_fields = ("name", "title")
+    inlines = [ApiTokenInline]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).annotate(
+            _prompt=Sum("sessions__prompt_tokens"), _completion=Sum("sessions__completion_tokens")
+        )
+
+    @admin.display(description="prompt tokens", ordering="_prompt")
+    def prompt_tokens(self, obj):
+        return obj._prompt or 0
+
+    @admin.display(description="completion tokens", ordering="_completion")
+    def completion_tokens(self, obj):
+        return obj._completion or 0
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(admin.ModelAdmin):
+    list_display = ("prefix", "tenant", "name", "created_at", "last_used_at", "expires_at", "revoked_at")
+    list_filter = ("tenant",)
+    search_fields = ("prefix", "name", "tenant__name")
+    readonly_fields = ("prefix", "created_at", "last_used_at")
+    actions = ["revoke"]
+
+    def get_fields(self, request, obj=None):
+        if obj is None:
+            return ("tenant", "name", "expires_at")
+        return ("tenant", "name", "prefix", "created_at", "last_used_at", "expires_at", "revoked_at")
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            return super().save_model(request, obj, form, change)
+        token, raw = token_create(tenant=obj.tenant, name=obj.name, expires_at=obj.expires_at)
+        obj.pk = token.pk
+        obj.prefix, obj.token_hash, obj.created_at = token.prefix, token.token_hash, token.created_at
+        messages.warning(
+            request,
+            f"New API token for {token.tenant}: {raw} — copy it now, it is not stored and will not be shown again.",
+        )
+
+    @admin.action(description="Revoke the selected tokens")
+    def revoke(self, request, queryset):
+        count = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
+        self.message_user(request, f"Revoked {count} token(s).")

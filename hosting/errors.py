@@ -1,0 +1,202 @@
+"""Every non-2xx answer is JSON: {"error": "<one sentence>", "details"?: ...}."""
+
+import logging
+
+from django.conf import settings
+from django.core.exceptions import PermissionDenied, RequestDataTooBig
+from django.http import Http404, JsonResponse
+from rest_framework import exceptions, status
+from rest_framework.parsers import JSONParser
+from rest_framework.response import Response
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(exceptions.APIException):
+    """A refusal a service raises on purpose: status code and one actionable sentence."""
+
+    def __init__(self, message: str, *, status_code: int = 400, details=None):
+        super().__init__(detail=message)
+        self.status_code = status_code
+        self.details = details
+
+
+class BadRequest(ApiError):
+    def __init__(self, message: str, *, details=None):
+        super().__init__(message, status_code=400, details=details)
+
+
+class NotFound(ApiError):
+    def __init__(self, message: str):
+        super().__init__(message, status_code=404)
+
+
+class Conflict(ApiError):
+    def __init__(self, message: str):
+        super().__init__(message, status_code=409)
+
+
+class PayloadTooLarge(ApiError):
+    def __init__(self):
+        super().__init__(
+            f"The request body is larger than the limit of {settings.AAP_MAX_BODY_BYTES} bytes.",
+            status_code=413,
+        )
+
+
+def _first_error(detail, path: str = "") -> tuple[str, str]:
+    if isinstance(detail, dict):
+        for key, value in detail.items():
+            sub = key if key == "non_field_errors" else (f"{path}.{key}" if path else str(key))
+            if key == "non_field_errors":
+                sub = path
+            return _first_error(value, sub)
+    if isinstance(detail, list):
+        for index, value in enumerate(detail):
+            if isinstance(value, (dict, list)) and value:
+                return _first_error(value, f"{path}[{index}]")
+            if not isinstance(value, (dict, list)):
+                return path, str(value)
+    return path, str(detail)
+
+
+def validation_sentence(detail) -> str:
+    path, message = _first_error(detail)
+    message = message.rstrip(".") + "."
+    return f"Invalid request: {path}: {message}" if path else f"Invalid request: {message}"
+
+
+def error_body(message: str, details=None) -> dict:
+    body = {"error": message}
+    if details not in (None, {}, []):
+        body["details"] = details
+    return body
+
+
+def exception_handler(exc, context):
+    """DRF exception handler producing the AAP error shape."""
+    headers = {}
+    if isinstance(exc, Http404):
+        exc = exceptions.NotFound("Not found.")
+    elif isinstance(exc, PermissionDenied):
+        exc = exceptions.PermissionDenied()
+    elif isinstance(exc, RequestDataTooBig):
+        exc = PayloadTooLarge()
+
+    if isinstance(exc, ApiError):
+        return Response(error_body(str(exc.detail), exc.details), status=exc.status_code)
+    if isinstance(exc, exceptions.ValidationError):
+        return Response(error_body(validation_sentence(exc.detail), exc.detail), status=400)
+    if isinstance(exc, exceptions.ParseError):
+        return Response(error_body(f"The request body is not valid JSON ({exc.detail})."), status=400)
+    if isinstance(exc, exceptions.UnsupportedMediaType):
+        return Response(
+            error_body("Send the request body as JSON with 'Content-Type: application/json'."),
+            status=415,
+        )
+    if isinstance(exc, exceptions.MethodNotAllowed):
+        view = context.get("view")
+        allowed = ", ".join(m for m in getattr(view, "allowed_methods", []) if m not in {"OPTIONS", "HEAD"})
+        method = context["request"].method if context.get("request") else "This method"
+        return Response(
+            error_body(f"{method} is not allowed on this path; use {allowed}."),
+            status=405,
+            headers={"Allow": ", ".join(getattr(view, "allowed_methods", []))},
+        )
+    if isinstance(exc, (exceptions.NotAuthenticated, exceptions.AuthenticationFailed)):
+        headers["WWW-Authenticate"] = 'Bearer realm="aap"'
+        message = str(exc.detail)
+        if isinstance(exc, exceptions.NotAuthenticated):
+            message = "An API token is required: send 'Authorization: Bearer <api token>'."
+        return Response(error_body(message), status=401, headers=headers)
+    if isinstance(exc, exceptions.PermissionDenied):
+        # A missing tenant identity is an authentication problem for this API.
+        return Response(
+            error_body("An API token is required: send 'Authorization: Bearer <api token>'."),
+            status=401,
+            headers={"WWW-Authenticate": 'Bearer realm="aap"'},
+        )
+    if isinstance(exc, exceptions.NotFound):
+        return Response(error_body(str(exc.detail)), status=404)
+    if isinstance(exc, exceptions.Throttled):
+        return Response(error_body(f"Too many requests; retry in {exc.wait} seconds."), status=429)
+    if isinstance(exc, exceptions.APIException):
+        return Response(error_body(str(exc.detail)), status=exc.status_code)
+
+    logger.exception("unhandled error in %s", type(context.get("view")).__name__)
+    return Response(
+        error_body("The server failed to handle this request; it was logged. Try again."),
+        status=status.HTTP_500_INTERNAL_SERVER_ERROR,
+    )
+
+
+class LimitedJSONParser(JSONParser):
+    """JSON parser that enforces AAP_MAX_BODY_BYTES on every body, chunked or not."""
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        limit = settings.AAP_MAX_BODY_BYTES
+        if stream is None:
+            raise exceptions.ParseError("the body is empty")
+        raw = stream.read(limit + 1)
+        if len(raw) > limit:
+            raise PayloadTooLarge()
+        if not raw.strip():
+            raise exceptions.ParseError("the body is empty")
+        import io
+
+        return super().parse(io.BytesIO(raw), media_type, parser_context)
+
+
+class BodyLimitMiddleware:
+    """Refuse a declared Content-Length over the limit before anything reads the body."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response):
+        from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+
+    def _too_large(self, request):
+        try:
+            length = int(request.META.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            return json_error("The Content-Length header is not a number.", 400)
+        if length > settings.AAP_MAX_BODY_BYTES:
+            return json_error(str(PayloadTooLarge().detail), 413)
+        return None
+
+    def __call__(self, request):
+        if self.is_async:
+            return self._acall(request)
+        return self._too_large(request) or self.get_response(request)
+
+    async def _acall(self, request):
+        return self._too_large(request) or await self.get_response(request)
+
+
+def json_error(message: str, status_code: int, **headers) -> JsonResponse:
+    response = JsonResponse(error_body(message), status=status_code)
+    for key, value in headers.items():
+        response[key] = value
+    return response
+
+
+def handler404(request, exception=None):
+    return json_error(f"There is nothing at {request.path}; the AAP API lives under /v1/.", 404)
+
+
+def handler500(request):
+    return json_error("The server failed to handle this request; it was logged. Try again.", 500)
+
+
+def handler400(request, exception=None):
+    return json_error("The request could not be understood.", 400)
+
+
+def handler403(request, exception=None):
+    return json_error("This request is not allowed.", 403)

@@ -1,0 +1,221 @@
+"""Settings, read from the environment (12-factor).
+
+Every variable is documented in README.md ("Configuration"). Secrets have no defaults in
+code: when SECRET_KEY or HOSTING_ENCRYPTION_KEYS are unset, a local key is generated once
+under var/ (the embedded default of `make run`), never shipped.
+"""
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("HOSTING_VAR_DIR", BASE_DIR / "var"))
+
+
+def env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def env_list(name: str, default: str = "") -> list[str]:
+    return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value not in (None, "") else default
+
+
+def _local_secret(filename: str, make) -> str:
+    """A secret kept in var/ for local runs; generated on first use."""
+    path = VAR_DIR / filename
+    if path.exists():
+        return path.read_text().strip()
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    value = make()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(value)
+    return value
+
+
+def _new_secret_key() -> str:
+    import secrets
+
+    return secrets.token_urlsafe(50)
+
+
+def _new_fernet_key() -> str:
+    from cryptography.fernet import Fernet
+
+    return Fernet.generate_key().decode()
+
+
+SECRET_KEY = os.environ.get("SECRET_KEY") or _local_secret("secret_key", _new_secret_key)
+HOSTING_ENCRYPTION_KEYS = env_list("HOSTING_ENCRYPTION_KEYS") or [
+    _local_secret("encryption_key", _new_fernet_key)
+]
+
+DEBUG = env_bool("DEBUG", False)
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]")
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "corsheaders",
+    "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "channels",
+    "hosting",
+    "agents",
+    "sessions_app",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "hosting.errors.BodyLimitMiddleware",
+    "corsheaders.middleware.CorsMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "hosting.urls"
+ASGI_APPLICATION = "hosting.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database -------------------------------------------------------------------------
+DATABASE_URL = os.environ.get("DATABASE_URL", "")
+if DATABASE_URL:
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 60))}
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+else:
+    # Embedded default for local runs only: one SQLite file under var/.
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": VAR_DIR / "db.sqlite3",
+            "OPTIONS": {
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 20,
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Redis, Celery, events --------------------------------------------------------------
+# Without REDIS_URL the web process runs turns itself in background threads with an
+# in-process event stream (the embedded mode of `make run`).
+REDIS_URL = os.environ.get("REDIS_URL", "")
+CELERY_BROKER_URL = REDIS_URL or "memory://"
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = False
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_DEFAULT_QUEUE = "aap-turns"
+CELERY_BEAT_SCHEDULE = {
+    "sweep-stale-turns": {"task": "sessions_app.tasks.sweep_stale_turns", "schedule": 10.0},
+}
+
+# --- AAP --------------------------------------------------------------------------------
+AAP_PUBLIC_META = env_bool("AAP_PUBLIC_META", True)
+# Largest request body accepted, in bytes (413 beyond it).
+AAP_MAX_BODY_BYTES = env_int("AAP_MAX_BODY_BYTES", 10 * 1024 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = AAP_MAX_BODY_BYTES
+# How long a turn's events can be replayed after it ends.
+AAP_EVENT_RETENTION_SECONDS = env_int("AAP_EVENT_RETENTION_SECONDS", 3600)
+AAP_SSE_PING_SECONDS = env_float("AAP_SSE_PING_SECONDS", 15.0)
+# A running turn refreshes a lease; a turn whose lease lapses is declared lost.
+AAP_TURN_LEASE_SECONDS = env_float("AAP_TURN_LEASE_SECONDS", 10.0)
+# A queued turn that no worker has picked up within this time is declared lost.
+AAP_TURN_START_TIMEOUT_SECONDS = env_float("AAP_TURN_START_TIMEOUT_SECONDS", 20.0)
+# Threads of the web process that run turns in the embedded mode (no REDIS_URL).
+AAP_EMBEDDED_WORKERS = env_int("AAP_EMBEDDED_WORKERS", 8)
+# Root of per-session workspaces (ACP agents).
+AAP_WORKSPACE_ROOT = Path(os.environ.get("AAP_WORKSPACE_ROOT", VAR_DIR / "workspaces"))
+
+# --- DRF and the OpenAPI document --------------------------------------------------------
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["hosting.authentication.BearerTokenAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["hosting.authentication.IsTenant"],
+    "DEFAULT_PARSER_CLASSES": ["hosting.errors.LimitedJSONParser"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "EXCEPTION_HANDLER": "hosting.errors.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "AAP v3 hosting API",
+    "DESCRIPTION": "Agent Application Protocol v3: discover agents, run sessions and turns, stream events.",
+    "VERSION": "3",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "APPEND_COMPONENTS": {
+        "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+    },
+    "SECURITY": [{"bearerAuth": []}],
+}
+
+CORS_ALLOWED_ORIGINS = env_list("CORS_ALLOWED_ORIGINS")
+CORS_EXPOSE_HEADERS = ["AAP-Turn-Id"]
+CORS_ALLOW_HEADERS = ["authorization", "content-type", "last-event-id"]
+
+# --- Static files, i18n -----------------------------------------------------------------
+STATIC_URL = "/static/"
+STATIC_ROOT = Path(os.environ.get("STATIC_ROOT", BASE_DIR / "staticfiles"))
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+# --- Logging: never a secret, never a request body ---------------------------------------
+LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO")
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {
+        "django.request": {"level": "ERROR"},
+        "httpx": {"level": "WARNING"},
+        "openai": {"level": "WARNING"},
+    },
+}

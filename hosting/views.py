@@ -1,0 +1,32 @@
+"""Operational endpoints."""
+
+from django.db import connection
+from django.http import JsonResponse
+
+from sessions_app import events
+
+
+def healthz(request):
+    """200 when the database (and Redis, when configured) answer; 503 naming what failed."""
+    checks, failed = {}, []
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        checks["database"] = "ok"
+    except Exception as exc:
+        checks["database"] = f"unreachable ({type(exc).__name__})"
+        failed.append("database")
+    from django.conf import settings
+
+    if settings.REDIS_URL:
+        try:
+            events.backend().ping_sync()
+            checks["redis"] = "ok"
+        except Exception as exc:
+            checks["redis"] = f"unreachable ({type(exc).__name__})"
+            failed.append("redis")
+    else:
+        checks["redis"] = "not configured (embedded mode)"
+    if failed:
+        return JsonResponse({"status": "unhealthy", "error": f"Unreachable: {', '.join(failed)}.", "checks": checks}, status=503)
+    return JsonResponse({"status": "ok", "checks": checks})

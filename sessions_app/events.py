@@ -1,0 +1,264 @@
+"""A turn's live events, its liveness lease and its cancel signal.
+
+With REDIS_URL the events of a turn are a Redis stream (`aap:ev:<turn>`) written by the
+worker and read by any web process: entries keep the event's sequence number as their id
+(`0-<seq>`), so a reader that starts late still gets every event from the first, in order,
+once each, and `Last-Event-ID` re-attaches exactly. Without REDIS_URL (embedded mode) the
+same interface is served from memory inside the web process.
+
+Redis carries only what can be lost: a lost stream breaks a live view of a turn, never the
+session or its history, which live in PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from functools import cache
+
+from django.conf import settings
+
+logger = logging.getLogger(__name__)
+
+CANCEL_CHANNEL = "aap:cancel"
+LIVE_STREAM_TTL = 24 * 3600  # a running turn's stream outlives any turn
+
+
+def _stream_key(turn_id: str) -> str:
+    return f"aap:ev:{turn_id}"
+
+
+def _lease_key(turn_id: str) -> str:
+    return f"aap:lease:{turn_id}"
+
+
+def _cancel_key(turn_id: str) -> str:
+    return f"aap:cancel:{turn_id}"
+
+
+class RedisEvents:
+    def __init__(self, url: str):
+        import redis
+
+        self.url = url
+        self.sync = redis.Redis.from_url(url, decode_responses=True)
+        self._async: dict[asyncio.AbstractEventLoop, object] = {}
+        self._lock = threading.Lock()
+
+    def aclient(self):
+        """The asyncio client of the running loop (redis-py asyncio clients are per loop)."""
+        import redis.asyncio as aredis
+
+        loop = asyncio.get_running_loop()
+        client = self._async.get(loop)
+        if client is None:
+            with self._lock:
+                client = self._async.get(loop)
+                if client is None:
+                    client = aredis.Redis.from_url(self.url, decode_responses=True)
+                    self._async[loop] = client
+        return client
+
+    # events
+    async def publish(self, turn_id: str, seq: int, event: dict) -> None:
+        await self.aclient().xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
+
+    async def open(self, turn_id: str) -> None:
+        await self.aclient().expire(_stream_key(turn_id), LIVE_STREAM_TTL)
+
+    def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
+        pipe = self.sync.pipeline(transaction=False)
+        pipe.xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
+        pipe.expire(_stream_key(turn_id), settings.AAP_EVENT_RETENTION_SECONDS if final else LIVE_STREAM_TTL)
+        pipe.execute()
+
+    async def read(self, turn_id: str, after: int, block_seconds: float) -> list[tuple[int, dict]]:
+        reply = await self.aclient().xread(
+            {_stream_key(turn_id): f"0-{after}"}, block=max(1, int(block_seconds * 1000)), count=500
+        )
+        return [(int(entry_id.split("-")[1]), json.loads(fields["e"])) for _, entries in reply or [] for entry_id, fields in entries]
+
+    def read_all_sync(self, turn_id: str) -> list[tuple[int, dict]]:
+        entries = self.sync.xrange(_stream_key(turn_id))
+        return [(int(entry_id.split("-")[1]), json.loads(fields["e"])) for entry_id, fields in entries]
+
+    # liveness
+    def set_lease_sync(self, turn_id: str) -> None:
+        self.sync.set(_lease_key(turn_id), "1", px=int(settings.AAP_TURN_LEASE_SECONDS * 1000))
+
+    async def refresh_lease(self, turn_id: str) -> None:
+        await self.aclient().set(_lease_key(turn_id), "1", px=int(settings.AAP_TURN_LEASE_SECONDS * 1000))
+
+    def clear_lease_sync(self, turn_id: str) -> None:
+        self.sync.delete(_lease_key(turn_id))
+
+    def lease_alive_sync(self, turn_id: str) -> bool:
+        return bool(self.sync.exists(_lease_key(turn_id)))
+
+    # cancel
+    def request_cancel_sync(self, turn_id: str) -> None:
+        pipe = self.sync.pipeline(transaction=False)
+        pipe.set(_cancel_key(turn_id), "1", ex=LIVE_STREAM_TTL)
+        pipe.publish(CANCEL_CHANNEL, turn_id)
+        pipe.execute()
+
+    async def cancel_requested(self, turn_id: str) -> bool:
+        return bool(await self.aclient().exists(_cancel_key(turn_id)))
+
+    async def listen_cancels(self, on_cancel: Callable[[str], None]) -> None:
+        """Run forever on the runtime loop: dispatch cancel signals to running turns."""
+        while True:
+            try:
+                pubsub = self.aclient().pubsub(ignore_subscribe_messages=True)
+                await pubsub.subscribe(CANCEL_CHANNEL)
+                async for message in pubsub.listen():
+                    if message and message.get("type") == "message":
+                        on_cancel(message["data"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis restarts must not kill the listener
+                logger.warning("cancel listener lost Redis (%s); reconnecting", type(exc).__name__)
+                await asyncio.sleep(1)
+
+    def ping_sync(self) -> None:
+        self.sync.ping()
+
+
+class _MemoryLog:
+    __slots__ = ("events", "waiters", "expires_at")
+
+    def __init__(self):
+        self.events: list[tuple[int, dict]] = []
+        self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self.expires_at: float | None = None
+
+
+class MemoryEvents:
+    """The embedded mode's event stream: one process, any threads, any event loops."""
+
+    def __init__(self):
+        self._logs: dict[str, _MemoryLog] = {}
+        self._leases: dict[str, float] = {}
+        self._cancelled: set[str] = set()
+        self._cancel_handlers: list[Callable[[str], None]] = []
+        self._lock = threading.Lock()
+
+    def _log(self, turn_id: str) -> _MemoryLog:
+        log = self._logs.get(turn_id)
+        if log is None:
+            log = self._logs[turn_id] = _MemoryLog()
+        return log
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for turn_id in [t for t, log in self._logs.items() if log.expires_at and log.expires_at < now]:
+            del self._logs[turn_id]
+
+    def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
+        with self._lock:
+            log = self._log(turn_id)
+            if log.events and log.events[-1][0] >= seq:
+                raise ValueError("event ids must increase")
+            log.events.append((seq, event))
+            if final:
+                log.expires_at = time.monotonic() + settings.AAP_EVENT_RETENTION_SECONDS
+                self._prune()
+            waiters, log.waiters = log.waiters, []
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_wake, future)
+
+    async def publish(self, turn_id: str, seq: int, event: dict) -> None:
+        self.publish_sync(turn_id, seq, event)
+
+    async def open(self, turn_id: str) -> None:
+        with self._lock:
+            self._log(turn_id)
+
+    async def read(self, turn_id: str, after: int, block_seconds: float) -> list[tuple[int, dict]]:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            log = self._log(turn_id)
+            items = [item for item in log.events if item[0] > after]
+            if items:
+                return items
+            future = loop.create_future()
+            log.waiters.append((loop, future))
+        try:
+            await asyncio.wait_for(future, block_seconds)
+        except TimeoutError:
+            return []
+        with self._lock:
+            return [item for item in self._log(turn_id).events if item[0] > after]
+
+    def read_all_sync(self, turn_id: str) -> list[tuple[int, dict]]:
+        with self._lock:
+            log = self._logs.get(turn_id)
+            return list(log.events) if log else []
+
+    def set_lease_sync(self, turn_id: str) -> None:
+        self._leases[turn_id] = time.monotonic() + settings.AAP_TURN_LEASE_SECONDS
+
+    async def refresh_lease(self, turn_id: str) -> None:
+        self.set_lease_sync(turn_id)
+
+    def clear_lease_sync(self, turn_id: str) -> None:
+        self._leases.pop(turn_id, None)
+
+    def lease_alive_sync(self, turn_id: str) -> bool:
+        return self._leases.get(turn_id, 0) > time.monotonic()
+
+    def request_cancel_sync(self, turn_id: str) -> None:
+        self._cancelled.add(turn_id)
+        for handler in list(self._cancel_handlers):
+            handler(turn_id)
+
+    async def cancel_requested(self, turn_id: str) -> bool:
+        return turn_id in self._cancelled
+
+    async def listen_cancels(self, on_cancel: Callable[[str], None]) -> None:
+        self._cancel_handlers.append(on_cancel)
+        await asyncio.Event().wait()
+
+    def ping_sync(self) -> None:
+        return None
+
+
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+@cache
+def backend() -> RedisEvents | MemoryEvents:
+    return RedisEvents(settings.REDIS_URL) if settings.REDIS_URL else MemoryEvents()
+
+
+def last_seq_sync(turn_id: str) -> int:
+    events = backend().read_all_sync(turn_id)
+    return events[-1][0] if events else 0
+
+
+QUIET = None  # what follow() yields when nothing happened for a while
+
+
+async def follow(turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0) -> AsyncIterator[tuple[int, dict] | None]:
+    """Every event of the turn after `after`, live, until its `turn_stop`.
+
+    Yields QUIET when `quiet_seconds` pass with no event, so the caller can ping the client
+    and check that the turn is still alive.
+    """
+    events = backend()
+    while True:
+        items = await events.read(turn_id, after, quiet_seconds)
+        if not items:
+            yield QUIET
+            continue
+        for seq, event in items:
+            after = seq
+            yield seq, event
+            if event.get("event") == "turn_stop":
+                return

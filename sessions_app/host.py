@@ -1,0 +1,311 @@
+"""The host side of a turn: what is the same for every runtime.
+
+`execute(plan)` runs one turn on the process's runtime loop: publishes `turn_start`,
+resolves the application's permission answers, runs the runtime, shapes its events for the
+stream mode, runs server tools, answers unknown tools, keeps the lease alive, honours
+cancel, and turns any exception into stop reason `error`. It returns a `TurnOutcome` that
+services persist. It never touches the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+from django.conf import settings
+
+from agents import tools as host_tools
+from agents.runtimes import runtime_for
+from agents.runtimes.base import (
+    STOP_REASONS,
+    AgentError,
+    Compaction,
+    PermissionAnswer,
+    ServerToolBinding,
+    ToolCall,
+    ToolOutcome,
+)
+
+from . import events
+from .protocol import MessageShaper, denial_text, fold
+
+logger = logging.getLogger(__name__)
+
+
+# --- the runtime loop: one asyncio loop per process, in a daemon thread ---------------------
+
+_loop_lock = threading.Lock()
+_loop: tuple[int, asyncio.AbstractEventLoop] | None = None
+_running: dict[str, asyncio.Task] = {}
+
+
+def runtime_loop() -> asyncio.AbstractEventLoop:
+    """The process-wide loop runtimes run on; it outlives turns (ACP agents wait across turns)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="aap-runtime-loop", daemon=True)
+            thread.start()
+            _loop = (os.getpid(), loop)
+            asyncio.run_coroutine_threadsafe(_start_cancel_listener(), loop)
+        return _loop[1]
+
+
+def run_sync(coro, timeout: float | None = None):
+    """Run a coroutine on the runtime loop from synchronous code and wait for its result."""
+    return asyncio.run_coroutine_threadsafe(coro, runtime_loop()).result(timeout)
+
+
+def _on_cancel(turn_id: str) -> None:
+    task = _running.get(turn_id)
+    if task is not None and not task.done():
+        task.get_loop().call_soon_threadsafe(task.cancel)
+
+
+async def _start_cancel_listener() -> None:
+    asyncio.get_running_loop().create_task(events.backend().listen_cancels(_on_cancel))
+
+
+# --- what services hand the host, and what they get back ------------------------------------
+
+
+@dataclass
+class TurnPlan:
+    turn_id: str
+    session_id: str
+    tenant: str
+    agent_name: str
+    runtime_kind: str
+    config: dict
+    options: dict[str, str]
+    server_tools: dict[str, ServerToolBinding]
+    client_tools: dict[str, dict]
+    history: list[dict]
+    incoming: list[dict]
+    permissions: list[PermissionAnswer]
+    stream: str
+    capabilities: dict
+
+
+@dataclass
+class TurnOutcome:
+    stop_reason: str
+    messages: list[dict]
+    pending_calls: list[dict]
+    last_seq: int
+    compaction: Compaction | None = None
+    cancelled: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    model_calls: int = 0
+    stop_meta: dict = field(default_factory=dict)
+
+
+class _Publisher:
+    """Numbers events, shapes them for the stream mode and publishes them in order."""
+
+    def __init__(self, turn_id: str, mode: str):
+        self.turn_id = turn_id
+        self.shaper = MessageShaper("message" if mode == "none" else mode)
+        self.seq = 0
+        self.produced: list[dict] = []  # the runtime's events, before shaping (for fold)
+        self.backend = events.backend()
+
+    async def _send(self, event: dict) -> None:
+        self.seq += 1
+        await self.backend.publish(self.turn_id, self.seq, event)
+
+    async def start(self) -> None:
+        await self.backend.open(self.turn_id)
+        await self._send({"event": "turn_start", "_meta": {"turnId": self.turn_id}})
+
+    async def emit(self, event: dict) -> None:
+        self.produced.append(event)
+        for shaped in self.shaper.feed(event):
+            await self._send(shaped)
+
+    async def close(self) -> None:
+        for shaped in self.shaper.flush():
+            await self._send(shaped)
+
+
+class HostContext:
+    """The TurnContext a runtime gets (see agents.runtimes.base.TurnContext)."""
+
+    def __init__(self, plan: TurnPlan, publisher: _Publisher):
+        self.session_id = plan.session_id
+        self.turn_id = plan.turn_id
+        self.tenant = plan.tenant
+        self.agent_name = plan.agent_name
+        self.config = plan.config
+        self.options = plan.options
+        self.server_tools = plan.server_tools
+        self.client_tools = plan.client_tools
+        self.history = plan.history
+        self.incoming = plan.incoming
+        self.permissions = plan.permissions
+        self.capabilities = plan.capabilities
+        self._publisher = publisher
+        self.pending: list[dict] = []
+        self.compaction: Compaction | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.model_calls = 0
+        self.stop_meta: dict = {}
+
+    async def emit(self, event: dict) -> None:
+        if event.get("event") not in ("text_delta", "thinking_delta", "tool_call", "tool_result"):
+            raise ValueError(f"a runtime cannot emit {event.get('event')!r}")
+        await self._publisher.emit(event)
+
+    async def call_tools(self, calls: list[ToolCall]) -> list[ToolOutcome]:
+        for call in calls:
+            await self.emit(call.as_event())
+        outcomes = []
+        for call in calls:
+            binding = self.server_tools.get(call.name)
+            if binding is not None and binding.trust:
+                outcome = ToolOutcome(call, content=await run_server_tool(binding, call))
+                await self.emit({"event": "tool_result", "toolCallId": call.toolCallId, "content": outcome.content})
+            elif binding is not None:
+                outcome = ToolOutcome(call, pending="permission")
+            elif call.name in self.client_tools:
+                outcome = ToolOutcome(call, pending="client")
+            else:
+                outcome = ToolOutcome(call, content=f"Unknown tool: {call.name}")
+                await self.emit({"event": "tool_result", "toolCallId": call.toolCallId, "content": outcome.content})
+            if outcome.pending:
+                self.pending.append(
+                    {"toolCallId": call.toolCallId, "name": call.name, "input": call.input, "kind": outcome.pending}
+                )
+            outcomes.append(outcome)
+        return outcomes
+
+    def set_compacted(self, compaction: Compaction) -> None:
+        self.compaction = compaction
+
+    def add_usage(self, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        self.prompt_tokens += int(prompt_tokens or 0)
+        self.completion_tokens += int(completion_tokens or 0)
+        self.model_calls += 1
+
+    def set_stop_meta(self, **meta: Any) -> None:
+        self.stop_meta.update(meta)
+
+
+async def run_server_tool(binding: ServerToolBinding, call: ToolCall):
+    """Run a server tool's host implementation; failures become the tool's result text."""
+    try:
+        jsonschema.validate(call.input, binding.spec.get("parameters") or {})
+    except jsonschema.ValidationError as exc:
+        return f"Invalid input for {call.name}: {exc.message}"
+    try:
+        return await host_tools.run_tool(binding.implementation, call.input, binding.settings)
+    except host_tools.ToolInputError as exc:
+        return f"Error: {exc}"
+    except Exception as exc:
+        logger.warning("server tool %s failed: %s", call.name, type(exc).__name__)
+        return f"Tool {call.name} failed ({type(exc).__name__})."
+
+
+async def _resolve_permissions(ctx: HostContext, plan: TurnPlan) -> None:
+    """Answer last turn's untrusted calls: run the granted ones, store denials."""
+    for answer in plan.permissions:
+        call = answer.call
+        if answer.granted:
+            binding = plan.server_tools.get(call.name)
+            content = await run_server_tool(binding, call) if binding else f"Unknown tool: {call.name}"
+        else:
+            content = denial_text(answer.reason)
+        await ctx.emit({"event": "tool_result", "toolCallId": call.toolCallId, "content": content})
+        # The runtime sees the answered call like any other result in its history.
+        ctx.history.append({"role": "tool", "toolCallId": call.toolCallId, "content": content})
+
+
+async def _keep_lease(turn_id: str) -> None:
+    backend = events.backend()
+    interval = max(0.2, settings.AAP_TURN_LEASE_SECONDS / 3)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await backend.refresh_lease(turn_id)
+        except Exception as exc:
+            logger.warning("lease refresh failed for %s: %s", turn_id, type(exc).__name__)
+
+
+def _log_failure(plan: TurnPlan, exc: BaseException) -> None:
+    # Where it failed, not what it said: exception messages can carry provider payloads.
+    frames = traceback.extract_tb(exc.__traceback__)[-4:]
+    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+    logger.error("turn %s (agent %s) failed with %s at %s", plan.turn_id, plan.agent_name, type(exc).__name__, where)
+
+
+async def execute(plan: TurnPlan) -> TurnOutcome:
+    """Run one turn (on the runtime loop) and return what services must persist."""
+    publisher = _Publisher(plan.turn_id, plan.stream)
+    ctx = HostContext(plan, publisher)
+    runtime = runtime_for(plan.runtime_kind)
+    lease = asyncio.create_task(_keep_lease(plan.turn_id))
+    task = asyncio.current_task()
+    _running[plan.turn_id] = task
+    cancelled, error = False, ""
+    stop_reason = "error"
+    try:
+        await publisher.start()
+        if await events.backend().cancel_requested(plan.turn_id):
+            raise asyncio.CancelledError
+        if runtime.host_executes_server_tools:
+            await _resolve_permissions(ctx, plan)
+        stop_reason = await runtime.run(ctx)
+        if stop_reason not in STOP_REASONS:
+            raise AgentError(f"The agent returned an unknown stop reason {stop_reason!r}.")
+    except asyncio.CancelledError:
+        if not task.cancelling():
+            raise
+        # A cancel: stop where the agent is; what it produced stays.
+        task.uncancel()
+        cancelled, stop_reason = True, "end_turn"
+    except AgentError as exc:
+        stop_reason, error = "error", exc.safe_message
+    except Exception as exc:
+        _log_failure(plan, exc)
+        stop_reason, error = "error", f"The agent failed ({type(exc).__name__})."
+    finally:
+        _running.pop(plan.turn_id, None)
+        lease.cancel()
+    try:
+        await publisher.close()
+    except Exception as exc:
+        logger.warning("publishing the end of turn %s failed: %s", plan.turn_id, type(exc).__name__)
+
+    pending = ctx.pending if stop_reason == "tool_use" else []
+    meta = dict(ctx.stop_meta)
+    if cancelled:
+        meta["cancelled"] = True
+    if error:
+        meta["error"] = error
+    return TurnOutcome(
+        stop_reason=stop_reason,
+        messages=fold(publisher.produced),
+        pending_calls=pending,
+        last_seq=publisher.seq,
+        compaction=ctx.compaction,
+        cancelled=cancelled,
+        error=error,
+        prompt_tokens=ctx.prompt_tokens,
+        completion_tokens=ctx.completion_tokens,
+        model_calls=ctx.model_calls,
+        stop_meta=meta,
+    )
+
+
+def execute_sync(plan: TurnPlan) -> TurnOutcome:
+    return run_sync(execute(plan))

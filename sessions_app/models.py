@@ -1,0 +1,93 @@
+"""AAP sessions, their history and their turns."""
+
+import secrets
+
+from django.db import models
+
+
+def new_session_id() -> str:
+    return "sess_" + secrets.token_urlsafe(24)  # 192 random bits
+
+
+def new_turn_id() -> str:
+    return "turn_" + secrets.token_urlsafe(18)
+
+
+class Session(models.Model):
+    """One conversation of a tenant with an agent.
+
+    `options` holds what the application set (merged over turns); secret values are stored
+    as Fernet ciphertext. `pending_calls` are the tool calls the last turn left for the
+    application: [{"toolCallId", "name", "kind": "client" | "permission"}].
+    """
+
+    public_id = models.CharField(max_length=64, unique=True, default=new_session_id, editable=False)
+    tenant = models.ForeignKey("hosting.Tenant", on_delete=models.CASCADE, related_name="sessions")
+    agent = models.ForeignKey("agents.Agent", on_delete=models.CASCADE, related_name="sessions")
+    options = models.JSONField(default=dict, blank=True)
+    server_tools = models.JSONField(null=True, blank=True)
+    client_tools = models.JSONField(null=True, blank=True)
+    pending_calls = models.JSONField(default=list, blank=True)
+    active_turn = models.ForeignKey(
+        "Turn", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    message_seq = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "-id"], name="session_tenant_newest")]
+
+    def __str__(self) -> str:
+        return self.public_id
+
+
+class Message(models.Model):
+    """One history message, stored as the exact JSON text accepted or produced."""
+
+    FULL, COMPACTED = "full", "compacted"
+    KINDS = [(FULL, "full"), (COMPACTED, "compacted")]
+
+    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="messages")
+    kind = models.CharField(max_length=9, choices=KINDS)
+    seq = models.BigIntegerField()
+    role = models.CharField(max_length=16)
+    data = models.TextField()
+    turn = models.ForeignKey("Turn", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["session", "kind", "seq"], name="unique_message_position")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.session_id}/{self.kind}/{self.seq}"
+
+
+class Turn(models.Model):
+    QUEUED, RUNNING, DONE = "queued", "running", "done"
+    STATUSES = [(QUEUED, "queued"), (RUNNING, "running"), (DONE, "done")]
+
+    id = models.CharField(primary_key=True, max_length=40, default=new_turn_id, editable=False)
+    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="turns")
+    status = models.CharField(max_length=8, choices=STATUSES, default=QUEUED)
+    stream = models.CharField(max_length=8, default="none")
+    stop_reason = models.CharField(max_length=16, blank=True)
+    cancelled = models.BooleanField(default=False)
+    # The application's answers to last turn's untrusted calls (never stored in history).
+    permissions = models.JSONField(default=list, blank=True)
+    error = models.CharField(max_length=500, blank=True, help_text="A safe sentence, never a secret.")
+    prompt_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+    model_calls = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["status", "created_at"], name="turn_status_created")]
+
+    def __str__(self) -> str:
+        return self.id

@@ -1,0 +1,151 @@
+"""AAP v3 endpoints. Thin: validate with a protocol serializer, call one service, answer."""
+
+from django.conf import settings
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import status
+from rest_framework.permissions import AllowAny
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from agents.selectors import agent_info, agents_for_tenant
+from hosting.authentication import TenantUser
+from hosting.errors import BadRequest, NotFound
+
+from . import events, protocol, selectors, services
+from .models import Turn
+from .streaming import turn_response
+
+ERRORS = {
+    400: protocol.ErrorSerializer,
+    401: protocol.ErrorSerializer,
+    404: protocol.ErrorSerializer,
+}
+
+
+def _validated(serializer_class, data):
+    serializer = serializer_class(data=data)
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data
+
+
+class MetaView(APIView):
+    @extend_schema(
+        summary="Discover agents",
+        responses={200: protocol.MetaSerializer, 401: protocol.ErrorSerializer},
+    )
+    def get(self, request):
+        tenant = request.user.tenant if isinstance(request.user, TenantUser) else None
+        agents = agents_for_tenant(tenant)
+        if tenant is None:
+            agents = agents.filter(tenants__isnull=True)  # public discovery: open agents only
+        return Response({"version": 3, "agents": [agent_info(agent) for agent in agents]})
+
+    def get_permissions(self):
+        if settings.AAP_PUBLIC_META:
+            return [AllowAny()]
+        return super().get_permissions()
+
+
+class SessionsView(APIView):
+    @extend_schema(
+        summary="Create a session",
+        request=protocol.CreateSessionSerializer,
+        responses={201: protocol.SessionIdSerializer, **ERRORS},
+    )
+    def post(self, request):
+        data = _validated(protocol.CreateSessionSerializer, request.data)
+        session = services.session_create(
+            tenant=request.user.tenant,
+            agent_config=data["agent"],
+            messages=data.get("messages"),
+            tools=data.get("tools"),
+        )
+        return Response({"sessionId": session.public_id}, status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        summary="List sessions, newest first",
+        parameters=[
+            OpenApiParameter("after", OpenApiTypes.STR, description="The `next` cursor of the previous page."),
+            OpenApiParameter("limit", OpenApiTypes.INT, description="1 to 100 (default 20)."),
+        ],
+        responses={200: protocol.SessionListSerializer, **ERRORS},
+    )
+    def get(self, request):
+        query = _validated(protocol.SessionListQuerySerializer, request.query_params)
+        return Response(selectors.sessions_page(request.user.tenant, after=query.get("after"), limit=query["limit"]))
+
+
+class SessionView(APIView):
+    @extend_schema(summary="Get a session", responses={200: protocol.SessionInfoSerializer, **ERRORS})
+    def get(self, request, session_id):
+        return Response(selectors.session_info(selectors.session_for_tenant(request.user.tenant, session_id)))
+
+    @extend_schema(summary="Delete a session and its history", responses={204: None, **ERRORS})
+    def delete(self, request, session_id):
+        services.session_delete(tenant=request.user.tenant, session_id=session_id)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class HistoryView(APIView):
+    @extend_schema(
+        summary="Read a session's history",
+        parameters=[OpenApiParameter("type", OpenApiTypes.STR, enum=["compacted", "full"], required=True)],
+        responses={200: protocol.HistorySerializer, **ERRORS},
+    )
+    def get(self, request, session_id):
+        session = selectors.session_for_tenant(request.user.tenant, session_id)
+        query = _validated(protocol.HistoryQuerySerializer, request.query_params)
+        return selectors.history_response(session, query["type"])
+
+
+TURN_RESPONSES = {
+    200: OpenApiResponse(
+        protocol.TurnResponseSerializer,
+        description='`stream: "none"`: this JSON. `"delta"` / `"message"`: `text/event-stream` of AAP events '
+        "(`turn_start`, `text_delta`/`text`, `thinking_delta`/`thinking`, `tool_call`, `tool_result`, `turn_stop`), "
+        "each with an `id:`; the `AAP-Turn-Id` header names the turn.",
+    ),
+    409: protocol.ErrorSerializer,
+    **ERRORS,
+}
+
+
+class TurnsView(APIView):
+    @extend_schema(summary="Send a turn", request=protocol.TurnRequestSerializer, responses=TURN_RESPONSES)
+    def post(self, request, session_id):
+        data = _validated(protocol.TurnRequestSerializer, request.data)
+        turn = services.turn_start(tenant=request.user.tenant, session_id=session_id, data=data)
+        return turn_response(turn.id, turn.stream)
+
+
+def _last_event_id(request) -> int:
+    raw = request.headers.get("Last-Event-ID") or request.query_params.get("after") or "0"
+    if not raw.isdigit():
+        raise BadRequest("Last-Event-ID must be the number of the last event you received (its 'id:').")
+    return int(raw)
+
+
+class TurnEventsView(APIView):
+    @extend_schema(
+        summary="Re-attach to a turn's events",
+        parameters=[OpenApiParameter("Last-Event-ID", OpenApiTypes.INT, OpenApiParameter.HEADER)],
+        responses={200: OpenApiResponse(description="text/event-stream of the events after Last-Event-ID"), **ERRORS},
+    )
+    def get(self, request, session_id, turn_id):
+        after = _last_event_id(request)
+        turn = Turn.objects.filter(
+            id=turn_id, session__public_id=session_id, session__tenant=request.user.tenant
+        ).first()
+        if turn is None:
+            raise NotFound(f"No turn '{turn_id}' exists on session '{session_id}' for this token's tenant.")
+        if turn.status == Turn.DONE and not events.backend().read_all_sync(turn.id):
+            raise NotFound(f"The events of turn '{turn_id}' are no longer kept; read the session's history.")
+        return turn_response(turn.id, "delta" if turn.stream == "delta" else "message", after=after)
+
+
+class TurnCancelView(APIView):
+    @extend_schema(summary="Cancel a running turn", request=None, responses={202: OpenApiTypes.OBJECT, **ERRORS})
+    def post(self, request, session_id, turn_id):
+        turn = services.turn_cancel(tenant=request.user.tenant, session_id=session_id, turn_id=turn_id)
+        return Response({"turnId": turn.id, "cancelling": turn.status != Turn.DONE}, status=status.HTTP_202_ACCEPTED)
