@@ -1,0 +1,116 @@
+"""Fixtures: the real stacks the suite drives over HTTP.
+
+`pg_stack`: Daphne + a Celery worker (threads pool) against the pytest-django test database
+on PostgreSQL and Redis at REDIS_URL. `embedded_stack`: Daphne alone, no Redis, SQLite (the
+`make run` default). `stack` runs a test against both.
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from .support import ROOT, Stack
+
+TEST_ENV = {
+    "AAP_SSE_PING_SECONDS": "1",
+    "AAP_TURN_LEASE_SECONDS": "3",
+    "AAP_TURN_START_TIMEOUT_SECONDS": "8",
+    "LOG_LEVEL": "INFO",
+}
+
+
+def _require(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise pytest.UsageError(
+            f"{name} is not set: run the suite with 'make test', which provides PostgreSQL and Redis "
+            "(or set DATABASE_URL and REDIS_URL yourself)."
+        )
+    return value
+
+
+def _seed(stack: Stack) -> None:
+    stack.tokens["demo"] = stack.manage("seed_demo").strip().splitlines()[-1]
+    stack.tokens["other"] = stack.manage("create_tenant", "other").strip().splitlines()[-1]
+    stack.manage("apply_agents", str(ROOT / "tests" / "agents.yaml"))
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("logs")
+    yield path
+
+
+@pytest.fixture(scope="session")
+def pg_stack(django_db_setup, django_db_blocker, log_dir):
+    import redis
+    from django.db import connection
+
+    database_url = _require("DATABASE_URL")
+    redis_url = _require("REDIS_URL")
+    redis.Redis.from_url(redis_url).flushdb()
+    parts = urlsplit(database_url)
+    test_db_url = urlunsplit(parts._replace(path="/" + connection.settings_dict["NAME"]))
+    stack = Stack("pg", {**TEST_ENV, "DATABASE_URL": test_db_url, "REDIS_URL": redis_url}, log_dir)
+    try:
+        _seed(stack)
+        stack.start_web()
+        stack.start_worker()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def embedded_stack(tmp_path_factory, log_dir):
+    var = tmp_path_factory.mktemp("embedded-var")
+    stack = Stack(
+        "embedded",
+        {**TEST_ENV, "DATABASE_URL": "", "REDIS_URL": "", "HOSTING_VAR_DIR": str(var),
+         "SECRET_KEY": "", "HOSTING_ENCRYPTION_KEYS": ""},
+        log_dir,
+    )
+    try:
+        stack.manage("migrate", "--noinput", "-v0")
+        _seed(stack)
+        stack.start_web()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(params=["pg", "embedded"])
+def stack(request) -> Stack:
+    """Run the test against both the production stack and the embedded mode."""
+    return request.getfixturevalue(f"{request.param}_stack")
+
+
+@pytest.fixture
+def db_access(django_db_blocker):
+    """Direct (read) access to the PostgreSQL test database the pg stack serves from."""
+    with django_db_blocker.unblock():
+        yield
+
+
+@pytest.fixture
+def demo(pg_stack):
+    client = pg_stack.client("demo")
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def other(pg_stack):
+    client = pg_stack.client("other")
+    yield client
+    client.close()
+
+
+def pytest_collection_modifyitems(items):
+    # pytest-django creates the test database only for tests that ask for it; every test
+    # here drives processes that use it, so all of them do (reads only, inside a rollback).
+    for item in items:
+        item.add_marker(pytest.mark.django_db)

@@ -1,0 +1,294 @@
+"""Test support: the running stack (real Daphne + Celery + PostgreSQL + Redis, or the
+embedded mode), an AAP client over real HTTP, and an SSE parser of the raw byte stream.
+
+Nothing here imports the code under test's protocol helpers: the tests keep their own
+reading of the wire format, so a bug in the service's fold cannot hide itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+BIN = Path(PYTHON).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- SSE ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Event:
+    id: str | None
+    event: str
+    data: dict
+
+    def as_dict(self) -> dict:
+        return {"event": self.event, **self.data}
+
+
+def parse_sse(raw: bytes) -> tuple[list[Event], int]:
+    """Parse an SSE byte stream into events; also count `: ping` comments."""
+    events, pings = [], 0
+    text = raw.decode("utf-8")
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        if not block.strip():
+            continue
+        fields: dict[str, str] = {}
+        data_lines = []
+        for line in block.split("\n"):
+            if line.startswith(":"):
+                pings += 1
+                continue
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "data":
+                data_lines.append(value)
+            else:
+                fields[name] = value
+        if "event" in fields or data_lines:
+            events.append(Event(fields.get("id"), fields.get("event", "message"), json.loads("\n".join(data_lines))))
+    return events, pings
+
+
+def fold_events(events: list[dict]) -> list[dict]:
+    """The spec's fold, written independently of the service."""
+    messages, blocks, joining = [], None, None
+    for ev in events:
+        kind = ev["event"]
+        if kind in ("text_delta", "thinking_delta"):
+            part = kind.split("_")[0]
+            blocks = blocks if blocks is not None else []
+            if joining == part:
+                blocks[-1][part] += ev["delta"]
+            else:
+                blocks.append({"type": part, part: ev["delta"]})
+            joining = part
+        elif kind in ("text", "thinking"):
+            blocks = blocks if blocks is not None else []
+            blocks.append({"type": kind, kind: ev[kind]})
+            joining = None
+        elif kind == "tool_call":
+            blocks = blocks if blocks is not None else []
+            blocks.append({"type": "tool_use", "toolCallId": ev["toolCallId"], "name": ev["name"], "input": ev["input"]})
+            joining = None
+        elif kind == "tool_result":
+            if blocks:
+                messages.append({"role": "assistant", "content": blocks})
+            blocks, joining = None, None
+            messages.append({"role": "tool", "toolCallId": ev["toolCallId"], "content": ev["content"]})
+    if blocks:
+        messages.append({"role": "assistant", "content": blocks})
+    return messages
+
+
+# --- the client --------------------------------------------------------------------------
+
+
+@dataclass
+class TurnResult:
+    status: int
+    headers: httpx.Headers
+    body: dict | None = None  # stream none, or an error
+    events: list[Event] = field(default_factory=list)
+    pings: int = 0
+    raw: bytes = b""
+
+    @property
+    def stop_reason(self) -> str:
+        if self.body is not None and "stopReason" in self.body:
+            return self.body["stopReason"]
+        return self.events[-1].data["stopReason"]
+
+    @property
+    def messages(self) -> list[dict]:
+        if self.body is not None and "messages" in self.body:
+            return self.body["messages"]
+        return fold_events([e.as_dict() for e in self.events])
+
+    @property
+    def names(self) -> list[str]:
+        return [e.event for e in self.events]
+
+    @property
+    def turn_id(self) -> str:
+        return self.headers["AAP-Turn-Id"]
+
+    def tool_calls(self) -> list[dict]:
+        if self.events:
+            return [e.data for e in self.events if e.event == "tool_call"]
+        return [b for m in self.messages if m["role"] == "assistant" for b in m["content"] if b["type"] == "tool_use"]
+
+
+class AAP:
+    """An application calling the service with one API token."""
+
+    def __init__(self, base_url: str, token: str | None, timeout: float = 60.0):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
+
+    def close(self):
+        self.http.close()
+
+    def get(self, path, **kw):
+        return self.http.get(path, **kw)
+
+    def post(self, path, body=None, **kw):
+        return self.http.post(path, json=body, **kw) if body is not None else self.http.post(path, **kw)
+
+    def delete(self, path, **kw):
+        return self.http.delete(path, **kw)
+
+    def meta(self) -> dict:
+        response = self.get("/v1/meta")
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def create_session(self, agent: str = "echo", **body) -> str:
+        payload = {"agent": {"name": agent, **body.pop("agent", {})}, **body}
+        response = self.post("/v1/sessions", payload)
+        assert response.status_code == 201, response.text
+        return response.json()["sessionId"]
+
+    def history(self, session_id: str, kind: str = "full") -> list[dict]:
+        response = self.get(f"/v1/sessions/{session_id}/history", params={"type": kind})
+        assert response.status_code == 200, response.text
+        return response.json()["history"][kind]
+
+    def turn(self, session_id: str, messages=None, *, stream: str = "none", text: str | None = None, **body) -> TurnResult:
+        if text is not None:
+            messages = [{"role": "user", "content": text}]
+        payload = {"messages": messages, **body}
+        if stream != "none" or "stream" in body:
+            payload["stream"] = stream
+        with self.http.stream("POST", f"/v1/sessions/{session_id}/turns", json=payload) as response:
+            raw = response.read()
+        return self._result(response, raw)
+
+    def reattach(self, session_id: str, turn_id: str, last_event_id: int | None = None) -> TurnResult:
+        headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
+        with self.http.stream("GET", f"/v1/sessions/{session_id}/turns/{turn_id}/events", headers=headers) as response:
+            raw = response.read()
+        return self._result(response, raw)
+
+    @staticmethod
+    def _result(response: httpx.Response, raw: bytes) -> TurnResult:
+        result = TurnResult(response.status_code, response.headers, raw=raw)
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            result.events, result.pings = parse_sse(raw)
+        else:
+            result.body = json.loads(raw)
+        return result
+
+
+# --- the stack -----------------------------------------------------------------------------
+
+
+class Stack:
+    """Real processes serving the service: Daphne, and a Celery worker when Redis is used."""
+
+    def __init__(self, name: str, env: dict, log_dir: Path):
+        self.name = name
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, **env}
+        self.log_dir = log_dir
+        self.web: subprocess.Popen | None = None
+        self.worker: subprocess.Popen | None = None
+        self.tokens: dict[str, str] = {}
+
+    @property
+    def uses_redis(self) -> bool:
+        return bool(self.env.get("REDIS_URL"))
+
+    def manage(self, *args: str, input: str | None = None) -> str:
+        result = subprocess.run(
+            [PYTHON, str(ROOT / "manage.py"), *args], env=self.env, cwd=ROOT, capture_output=True, text=True,
+            input=input, timeout=120,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
+        return result.stdout
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{self.name}-{name}.log", "ab")
+        return subprocess.Popen(argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start_web(self) -> None:
+        self.web = self._spawn("daphne", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "hosting.asgi:application"])
+        self.wait_healthy()
+
+    def start_worker(self) -> None:
+        if not self.uses_redis:
+            return
+        self.worker = self._spawn(
+            "celery",
+            [str(BIN / "celery"), "-A", "hosting", "worker", "--pool", "threads", "--concurrency", "16",
+             "-Q", "aap-turns", "--loglevel", "INFO", "-n", f"{self.name}-{time.time_ns()}@%h", "--without-gossip",
+             "--without-mingle", "--without-heartbeat"],
+        )
+        self._wait_worker_ready()
+
+    def _wait_worker_ready(self, timeout: float = 60.0) -> None:
+        log_path = self.log_dir / f"{self.name}-celery.log"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.worker.poll() is not None:
+                raise RuntimeError(f"celery worker exited:\n{log_path.read_text()[-3000:]}")
+            if log_path.exists() and "ready." in log_path.read_text()[-5000:]:
+                return
+            time.sleep(0.2)
+        raise RuntimeError("celery worker did not become ready")
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.web.poll() is not None:
+                log = (self.log_dir / f"{self.name}-daphne.log").read_text()
+                raise RuntimeError(f"daphne exited:\n{log[-3000:]}")
+            try:
+                if httpx.get(self.base_url + "/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("daphne did not become healthy")
+
+    def kill_worker(self) -> None:
+        """SIGKILL the worker, as a crashed machine would."""
+        os.killpg(self.worker.pid, signal.SIGKILL)
+        self.worker.wait(10)
+
+    def stop(self) -> None:
+        for proc in (self.worker, self.web):
+            if proc is not None and proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(10)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+    def client(self, tenant: str = "demo", **kw) -> AAP:
+        return AAP(self.base_url, self.tokens[tenant], **kw)
+
+    def anonymous(self) -> AAP:
+        return AAP(self.base_url, None)
