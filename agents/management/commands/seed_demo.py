@@ -1,6 +1,5 @@
 from django.core.management.base import BaseCommand
 from django.db import transaction
-from django.utils import timezone
 
 from agents.services import ECHO_AGENT, agents_apply
 from hosting.models import Tenant
@@ -23,8 +22,6 @@ class Command(BaseCommand):
         with transaction.atomic():
             tenant, _ = Tenant.objects.get_or_create(name="demo", defaults={"title": "Demo tenant"})
             agents_apply(entries)
-            # One live demo token at a time: earlier seed tokens are revoked.
-            tenant.tokens.filter(name="seed_demo", revoked_at__isnull=True).update(revoked_at=timezone.now())
             _, raw = token_create(tenant=tenant, name="seed_demo")
         self.stdout.write(f"Agents ready: {', '.join(a['name'] for a in entries)}. Tenant: demo.")
         self.stdout.write(raw)

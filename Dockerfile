@@ -1,0 +1,53 @@
+# syntax=docker/dockerfile:1
+# aap-hosting: one image for the web process (Daphne), the Celery worker and beat.
+#
+#   docker build -t aap-hosting .
+#   docker compose up          (see docker-compose.yml and .env.example)
+#
+# Configuration comes from the environment at run time (DATABASE_URL, REDIS_URL,
+# SECRET_KEY, HOSTING_ENCRYPTION_KEYS, ALLOWED_HOSTS, ...); no secret is baked in.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+
+# Dependencies first, from pyproject.toml alone, so code changes do not reinstall them.
+COPY pyproject.toml ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+
+# The project itself (non-editable install; .dockerignore keeps .venv, var, .git out).
+COPY . .
+RUN pip install --no-deps . \
+    && rm -rf build ./*.egg-info
+
+# Run from the copied tree (manage.py; settings' BASE_DIR = /app); mutable state lives
+# under /data (mount volumes there: /data/workspaces is shared by web and worker).
+ENV PYTHONPATH=/app \
+    DJANGO_SETTINGS_MODULE=hosting.settings \
+    HOSTING_VAR_DIR=/data/var \
+    AAP_WORKSPACE_ROOT=/data/workspaces \
+    STATIC_ROOT=/app/staticfiles
+
+# Static files at build time. Throwaway secrets exist only in this RUN's environment (not
+# baked in as ENV); without them settings would generate and store local ones.
+RUN SECRET_KEY="collectstatic-build-only" \
+    HOSTING_ENCRYPTION_KEYS="$(python -c 'from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())')" \
+    HOSTING_VAR_DIR=/tmp/build-var \
+    python manage.py collectstatic --noinput -v0 \
+    && rm -rf /tmp/build-var
+
+RUN groupadd --system --gid 10001 aap \
+    && useradd --system --uid 10001 --gid aap --home-dir /data --no-create-home --shell /usr/sbin/nologin aap \
+    && mkdir -p /data/var /data/workspaces \
+    && chown -R aap:aap /data
+USER 10001:10001
+
+EXPOSE 8000
+CMD ["daphne", "-b", "0.0.0.0", "-p", "8000", "hosting.asgi:application"]

@@ -1,0 +1,60 @@
+# aap-hosting: developer entry points. Everything runs from the repo's .venv.
+#
+#   make run                 migrate, seed the demo tenant, serve on 127.0.0.1:8000
+#   make test [ARGS=...]     the suite against PostgreSQL + Redis (throwaway servers when none answer)
+#   make bench [FULL=1]      the benchmark
+#   make migrate | seed | worker | clean
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+# Extra pytest arguments: make test ARGS='-k meta -x'  (PYTEST_ARGS works too)
+ARGS        ?=
+PYTEST_ARGS ?= $(ARGS)
+FULL        ?=
+CELERY_CONCURRENCY ?= 16
+
+.DEFAULT_GOAL := help
+.PHONY: help venv install run test bench migrate seed worker clean
+
+help:
+	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
+
+# The virtualenv; recreated when its interpreter is missing (e.g. a moved or deleted .venv).
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# (Re)install only when pyproject.toml is newer than the stamp: repeated runs are instant.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	@touch $@
+
+venv install: $(STAMP)
+	@:
+
+run: $(STAMP)
+	scripts/run.sh
+
+test: $(STAMP)
+	scripts/test.sh $(PYTEST_ARGS)
+
+# The bench gets PostgreSQL + Redis like the suite (scripts/services.sh).
+bench: $(STAMP)
+	$(if $(FULL),FULL=$(FULL) )scripts/services.sh -- $(BIN)/python -m bench
+
+migrate: $(STAMP)
+	$(BIN)/python manage.py migrate --noinput
+
+seed: $(STAMP)
+	$(BIN)/python manage.py seed_demo
+
+worker: $(STAMP)
+	@test -n "$$REDIS_URL" || { echo "make worker: set REDIS_URL (the Celery broker)" >&2; exit 1; }
+	@mkdir -p var
+	$(BIN)/celery -A hosting worker -B --loglevel INFO --pool threads \
+		--concurrency $(CELERY_CONCURRENCY) -Q aap-turns --schedule var/celerybeat-schedule
+
+clean:
+	rm -rf $(VENV) var staticfiles .pytest_cache

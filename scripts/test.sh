@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Run the test suite against PostgreSQL and Redis (`make test`; extra args go to pytest).
+#
+#   scripts/test.sh                 # whole suite
+#   scripts/test.sh -k meta -x      # any pytest arguments
+#   make test ARGS='-m "not e2e"'
+#
+# DATABASE_URL / REDIS_URL default to postgres://postgres@127.0.0.1:5432/aap and
+# redis://127.0.0.1:6379/15; throwaway servers are started when nothing answers there
+# (see scripts/services.sh). pytest-django creates and drops test_<name> itself.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+PY="$ROOT/.venv/bin/python"
+if [[ ! -x "$PY" ]]; then
+    echo "test.sh: $PY is missing; run 'make test' (it creates .venv and installs the package)" >&2
+    exit 1
+fi
+
+# --- A safe, deterministic test environment -----------------------------------------
+# Test-only secrets: never the developer's or production's. A fresh Fernet key per run.
+export SECRET_KEY="test-only-secret-key-not-for-production-0123456789abcdefghijklmnop"
+HOSTING_ENCRYPTION_KEYS=$("$PY" -c 'from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())')
+export HOSTING_ENCRYPTION_KEYS
+# Keep local state of the suite (generated files, workspaces) away from `make run`'s var/.
+export HOSTING_VAR_DIR="${HOSTING_VAR_DIR:-$ROOT/var/test}"
+export AAP_WORKSPACE_ROOT="${AAP_WORKSPACE_ROOT:-$HOSTING_VAR_DIR/workspaces}"
+export DJANGO_SETTINGS_MODULE=hosting.settings
+export PYTHONUNBUFFERED=1
+export DEBUG=0
+# The suite must never reach a real model provider with the developer's credentials.
+unset OPENAI_API_KEY OPENAI_BASE_URL OPENAI_MODEL OPENAI_ORG_ID OPENAI_PROJECT_ID
+
+# --- PostgreSQL and Redis (exports DATABASE_URL, REDIS_URL; stops throwaways on exit) --
+export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/aap}"
+export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/15}"
+# shellcheck source=scripts/services.sh
+source "$ROOT/scripts/services.sh" || {
+    echo "test.sh: FAILED: PostgreSQL and Redis are required and could not be provided (see above)." >&2
+    exit 1
+}
+
+# --- pytest --------------------------------------------------------------------------
+rc=0
+"$PY" -m pytest "$@" || rc=$?
+if [[ $rc == 5 ]]; then
+    echo "test.sh: FAILED: pytest collected no tests (exit code 5) with arguments: ${*:-(none)}" >&2
+    echo "test.sh: an empty run is a failure here; check testpaths, -k/-m filters and test file names." >&2
+fi
+exit "$rc"
