@@ -1,6 +1,10 @@
 """Every non-2xx answer is JSON: {"error": "<one sentence>", "details"?: ...}."""
 
 import logging
+import os
+import traceback
+
+from django import db
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
@@ -66,6 +70,14 @@ def validation_sentence(detail) -> str:
     return f"Invalid request: {path}: {message}" if path else f"Invalid request: {message}"
 
 
+def describe_failure(exc: BaseException) -> str:
+    """An exception's type and where it was raised, never its message: messages can carry
+    values (SQL parameters, provider payloads) that must not reach a log."""
+    frames = traceback.extract_tb(exc.__traceback__)[-4:]
+    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+    return f"{type(exc).__name__} at {where}"
+
+
 def error_body(message: str, details=None) -> dict:
     body = {"error": message}
     if details not in (None, {}, []):
@@ -123,7 +135,14 @@ def exception_handler(exc, context):
     if isinstance(exc, exceptions.APIException):
         return Response(error_body(str(exc.detail)), status=exc.status_code)
 
-    logger.exception("unhandled error in %s", type(context.get("view")).__name__)
+    if isinstance(exc, (db.OperationalError, db.InterfaceError)):
+        logger.error("database unavailable in %s: %s", type(context.get("view")).__name__, type(exc).__name__)
+        return Response(
+            error_body("The database is unavailable or saturated right now; retry in a few seconds."),
+            status=status.HTTP_503_SERVICE_UNAVAILABLE,
+            headers={"Retry-After": "5"},
+        )
+    logger.error("unhandled error in %s: %s", type(context.get("view")).__name__, describe_failure(exc))
     return Response(
         error_body("The server failed to handle this request; it was logged. Try again."),
         status=status.HTTP_500_INTERNAL_SERVER_ERROR,
@@ -143,8 +162,17 @@ class LimitedJSONParser(JSONParser):
         if not raw.strip():
             raise exceptions.ParseError("the body is empty")
         import io
+        import json
 
-        return super().parse(io.BytesIO(raw), media_type, parser_context)
+        try:
+            data = super().parse(io.BytesIO(raw), media_type, parser_context)
+            # A lone \ud800-style escape decodes but cannot be stored or sent back as UTF-8.
+            json.dumps(data, ensure_ascii=False).encode()
+        except RecursionError:
+            raise exceptions.ParseError("it nests arrays or objects too deeply") from None
+        except UnicodeEncodeError:
+            raise exceptions.ParseError("it escapes a lone UTF-16 surrogate such as \\ud800, which is not Unicode") from None
+        return data
 
 
 class BodyLimitMiddleware:
@@ -168,6 +196,13 @@ class BodyLimitMiddleware:
             return json_error("The Content-Length header is not a number.", 400)
         if length > settings.AAP_MAX_BODY_BYTES:
             return json_error(str(PayloadTooLarge().detail), 413)
+        if not length and "chunked" in request.META.get("HTTP_TRANSFER_ENCODING", "").lower():
+            # Django and DRF read no body without a Content-Length: measure the chunked one and declare it.
+            body = request.read(settings.AAP_MAX_BODY_BYTES + 1)
+            if len(body) > settings.AAP_MAX_BODY_BYTES:
+                return json_error(str(PayloadTooLarge().detail), 413)
+            request._body = body
+            request.META["CONTENT_LENGTH"] = str(len(body))
         return None
 
     def __call__(self, request):

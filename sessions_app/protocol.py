@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterable
 
 import jsonschema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from agents.runtimes.base import HISTORY_TYPES, STOP_REASONS, STREAM_MODES
@@ -44,6 +46,7 @@ class StrictBooleanField(serializers.BooleanField):
         return data
 
 
+@extend_schema_field(OpenApiTypes.OBJECT)
 class JSONObjectField(serializers.Field):
     default_error_messages = {"invalid": "Must be a JSON object."}
 
@@ -104,6 +107,7 @@ BLOCK_SERIALIZERS = {
 }
 
 
+@extend_schema_field({"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]})
 class ContentField(serializers.Field):
     """`string | ContentBlock[]`, with the block types a given role may carry."""
 
@@ -175,6 +179,7 @@ MESSAGE_SERIALIZERS = {
 }
 
 
+@extend_schema_field(OpenApiTypes.OBJECT)
 class MessageField(serializers.Field):
     """One message of the roles allowed in this position (history seeds or turn input)."""
 
