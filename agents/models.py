@@ -61,6 +61,11 @@ class Agent(models.Model):
     client_tools = models.BooleanField("accepts client tools", default=True)
     image_http = models.BooleanField("accepts https:// images", default=False)
     image_data = models.BooleanField("accepts data: images", default=False)
+    history_full = models.BooleanField("shows full history", default=True)
+    history_compacted = models.BooleanField("shows compacted history", default=True)
+    stream_delta = models.BooleanField("streams deltas", default=True)
+    stream_message = models.BooleanField("streams messages", default=True)
+    stream_none = models.BooleanField("answers without streaming", default=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -85,8 +90,8 @@ class Agent(models.Model):
     def capabilities(self) -> dict:
         supports = self.runtime.supports
         caps: dict = {
-            "history": {name: {} for name in supports.get("history", ())},
-            "stream": {name: {} for name in supports.get("stream", ())},
+            "history": {name: {} for name in supports.get("history", ()) if getattr(self, f"history_{name}")},
+            "stream": {name: {} for name in supports.get("stream", ()) if getattr(self, f"stream_{name}")},
         }
         if supports.get("application_tools") and self.client_tools:
             caps["application"] = {"tools": {}}

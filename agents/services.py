@@ -45,14 +45,20 @@ def _capability_toggles(entry: dict, name: str, runtime_cls) -> dict:
     caps = entry.get("capabilities") or {}
     if not isinstance(caps, dict):
         raise AgentFileError(f"Agent '{name}': 'capabilities' must be an object.")
-    for key in ("history", "stream"):
-        unsupported = set(caps.get(key) or {}) - set(runtime_cls.supports.get(key, ()))
+    toggles = {}
+    for key, names in (("history", ("full", "compacted")), ("stream", ("delta", "message", "none"))):
+        supported = set(runtime_cls.supports.get(key, ()))
+        unsupported = set(caps.get(key) or {}) - supported
         if unsupported:
             raise AgentFileError(
                 f"Agent '{name}': runtime '{runtime_cls.kind}' does not support {key} {', '.join(sorted(unsupported))}."
             )
+        # Not listed at all: everything the runtime supports; listed: exactly those.
+        listed = set(caps[key]) if key in caps else supported
+        toggles.update({f"{key}_{n}": n in listed for n in names})
     image = caps.get("image") or {}
     return {
+        **toggles,
         "client_tools": "tools" in (caps.get("application") or {}),
         "image_http": "http" in image,
         "image_data": "data" in image,
@@ -215,3 +221,45 @@ ECHO_AGENT = {
         "image": {"http": {}, "data": {}},
     },
 }
+
+
+def assistant_agent_entry() -> dict:
+    """The `assistant` agent (runtime `openai`) for `seed_demo --assistant`, defaults from the environment.
+
+    OPENAI_BASE_URL (default OpenAI's), OPENAI_API_KEY (stored encrypted) and OPENAI_MODEL.
+    """
+    return {
+        "name": "assistant",
+        "title": "Assistant",
+        "version": "1.0.0",
+        "description": "A general assistant backed by an OpenAI-compatible model.",
+        "runtime": {
+            "kind": "openai",
+            "config": {
+                "systemPrompt": "You are a helpful assistant. Use the tools you are given when they help.",
+                "timeoutSeconds": 120,
+                "maxRetries": 2,
+                "maxModelCalls": 10,
+                "contextBudget": 60000,
+            },
+        },
+        "options": [
+            {"type": "text", "name": "model", "title": "Model", "default": os.environ.get("OPENAI_MODEL", "gpt-4o-mini")},
+            {"type": "secret", "name": "apiKey", "title": "API key", "defaultEnv": "OPENAI_API_KEY"},
+            {"type": "text", "name": "baseUrl", "title": "Base URL",
+             "default": os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1"},
+        ],
+        "tools": [
+            {"name": "clock", "title": "Clock", "description": "Returns the current UTC time in ISO 8601.",
+             "implementation": "clock"},
+            {"name": "add", "title": "Add", "description": "Adds two numbers a and b.", "implementation": "add"},
+            {"name": "http_fetch", "title": "Fetch a web page",
+             "description": "GETs a public http(s) URL and returns its readable text.", "implementation": "http_fetch"},
+        ],
+        "capabilities": {
+            "history": {"compacted": {}, "full": {}},
+            "stream": {"delta": {}, "message": {}, "none": {}},
+            "application": {"tools": {}},
+            "image": {"http": {}, "data": {}},
+        },
+    }
