@@ -1,9 +1,32 @@
+import logging
 import os
 
 from celery import Celery
+from celery.signals import celeryd_after_setup, worker_ready
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hosting.settings")
 
 app = Celery("hosting")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+#: This worker's node name ('' outside a worker): turns pinned to this process are routed to it.
+worker_node = ""
+
+
+@celeryd_after_setup.connect
+def _remember_node_name(sender, **kwargs):
+    global worker_node
+    worker_node = str(sender)
+
+
+@worker_ready.connect
+def _load_runtimes(**kwargs):
+    # Import heavy runtime modules (the ACP SDK) now, not inside a first turn while its lease runs.
+    from agents.runtimes import RUNTIME_KINDS, runtime_class
+
+    for kind in RUNTIME_KINDS:
+        try:
+            runtime_class(kind)
+        except Exception as exc:
+            logging.getLogger(__name__).warning("runtime kind %s cannot be loaded: %s", kind, type(exc).__name__)

@@ -120,8 +120,15 @@ TEMPLATES = [
 # --- Database -------------------------------------------------------------------------
 DATABASE_URL = os.environ.get("DATABASE_URL", "")
 if DATABASE_URL:
-    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 60))}
-    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
+    if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+        # Under ASGI every request runs in its own thread, so per-thread persistent
+        # connections are never reused: a pool per process serves web and worker threads.
+        DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+            "min_size": env_int("DATABASE_POOL_MIN", 1),
+            "max_size": env_int("DATABASE_POOL_MAX", 20),
+            "timeout": env_float("DATABASE_POOL_TIMEOUT", 30.0),
+        }
 else:
     # Embedded default for local runs only: one SQLite file under var/.
     VAR_DIR.mkdir(parents=True, exist_ok=True)
@@ -148,6 +155,9 @@ CELERY_TASK_ACKS_LATE = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_DEFAULT_QUEUE = "aap-turns"
+# Every worker also consumes its own direct queue: a turn answering a prompt that one
+# worker holds (ACP permissions) is sent there.
+CELERY_WORKER_DIRECT = True
 CELERY_BEAT_SCHEDULE = {
     "sweep-stale-turns": {"task": "sessions_app.tasks.sweep_stale_turns", "schedule": 10.0},
 }
@@ -216,6 +226,7 @@ LOGGING = {
     "loggers": {
         "django.request": {"level": "ERROR"},
         "httpx": {"level": "WARNING"},
+        "httpx2": {"level": "WARNING"},  # the openai SDK's transport logs full URLs at INFO
         "openai": {"level": "WARNING"},
     },
 }

@@ -45,7 +45,8 @@ class RedisEvents:
         import redis
 
         self.url = url
-        self.sync = redis.Redis.from_url(url, decode_responses=True)
+        # redis-py 8 times reads out after 5 s by default; blocking reads wait longer than that.
+        self.sync = redis.Redis.from_url(url, decode_responses=True, socket_timeout=30, socket_connect_timeout=5)
         self._async: dict[asyncio.AbstractEventLoop, object] = {}
         self._lock = threading.Lock()
 
@@ -59,16 +60,18 @@ class RedisEvents:
             with self._lock:
                 client = self._async.get(loop)
                 if client is None:
-                    client = aredis.Redis.from_url(self.url, decode_responses=True)
+                    client = aredis.Redis.from_url(
+                        self.url, decode_responses=True, socket_timeout=None, socket_connect_timeout=5
+                    )
                     self._async[loop] = client
         return client
 
     # events
-    async def publish(self, turn_id: str, seq: int, event: dict) -> None:
-        await self.aclient().xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
-
-    async def open(self, turn_id: str) -> None:
-        await self.aclient().expire(_stream_key(turn_id), LIVE_STREAM_TTL)
+    async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]]) -> None:
+        pipe = self.aclient().pipeline(transaction=False)
+        for seq, event in batch:
+            pipe.xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
+        await pipe.execute()
 
     def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
         pipe = self.sync.pipeline(transaction=False)
@@ -85,6 +88,10 @@ class RedisEvents:
     def read_all_sync(self, turn_id: str) -> list[tuple[int, dict]]:
         entries = self.sync.xrange(_stream_key(turn_id))
         return [(int(entry_id.split("-")[1]), json.loads(fields["e"])) for entry_id, fields in entries]
+
+    async def last(self, turn_id: str) -> tuple[int, dict] | None:
+        entries = await self.aclient().xrevrange(_stream_key(turn_id), count=1)
+        return (int(entries[0][0].split("-")[1]), json.loads(entries[0][1]["e"])) if entries else None
 
     # liveness
     def set_lease_sync(self, turn_id: str) -> None:
@@ -171,12 +178,9 @@ class MemoryEvents:
         for loop, future in waiters:
             loop.call_soon_threadsafe(_wake, future)
 
-    async def publish(self, turn_id: str, seq: int, event: dict) -> None:
-        self.publish_sync(turn_id, seq, event)
-
-    async def open(self, turn_id: str) -> None:
-        with self._lock:
-            self._log(turn_id)
+    async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]]) -> None:
+        for seq, event in batch:
+            self.publish_sync(turn_id, seq, event)
 
     async def read(self, turn_id: str, after: int, block_seconds: float) -> list[tuple[int, dict]]:
         loop = asyncio.get_running_loop()
@@ -198,6 +202,11 @@ class MemoryEvents:
         with self._lock:
             log = self._logs.get(turn_id)
             return list(log.events) if log else []
+
+    async def last(self, turn_id: str) -> tuple[int, dict] | None:
+        with self._lock:
+            log = self._logs.get(turn_id)
+            return log.events[-1] if log and log.events else None
 
     def set_lease_sync(self, turn_id: str) -> None:
         self._leases[turn_id] = time.monotonic() + settings.AAP_TURN_LEASE_SECONDS
@@ -252,9 +261,19 @@ async def follow(turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0) ->
     and check that the turn is still alive.
     """
     events = backend()
+
+    async def reader_has_the_stop() -> bool:
+        # e.g. an EventSource reconnecting after the end: nothing will ever come after `after`
+        last = await events.last(turn_id)
+        return last is not None and last[0] <= after and last[1].get("event") == "turn_stop"
+
+    if after and await reader_has_the_stop():
+        return
     while True:
         items = await events.read(turn_id, after, quiet_seconds)
         if not items:
+            if after and await reader_has_the_stop():
+                return
             yield QUIET
             continue
         for seq, event in items:

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import os
 import threading
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +20,7 @@ import jsonschema
 from django.conf import settings
 
 from agents import tools as host_tools
+from hosting.errors import describe_failure
 from agents.runtimes import runtime_for
 from agents.runtimes.base import (
     STOP_REASONS,
@@ -69,8 +69,13 @@ def _on_cancel(turn_id: str) -> None:
         task.get_loop().call_soon_threadsafe(task.cancel)
 
 
+_cancel_listener: asyncio.Task | None = None
+
+
 async def _start_cancel_listener() -> None:
-    asyncio.get_running_loop().create_task(events.backend().listen_cancels(_on_cancel))
+    global _cancel_listener
+    # Held here because the loop keeps tasks only weakly: a collected listener hears no cancel.
+    _cancel_listener = asyncio.get_running_loop().create_task(events.backend().listen_cancels(_on_cancel))
 
 
 # --- what services hand the host, and what they get back ------------------------------------
@@ -92,6 +97,7 @@ class TurnPlan:
     permissions: list[PermissionAnswer]
     stream: str
     capabilities: dict
+    options_set: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -110,31 +116,44 @@ class TurnOutcome:
 
 
 class _Publisher:
-    """Numbers events, shapes them for the stream mode and publishes them in order."""
+    """Numbers events, shapes them for the stream mode and publishes them in order.
+
+    `turn_start` (event 1) was published by the web process when it created the turn.
+    Events are written by one background flusher in pipelined batches, so a runtime never
+    waits for Redis between deltas and order is kept.
+    """
 
     def __init__(self, turn_id: str, mode: str):
         self.turn_id = turn_id
         self.shaper = MessageShaper("message" if mode == "none" else mode)
-        self.seq = 0
+        self.seq = 1
         self.produced: list[dict] = []  # the runtime's events, before shaping (for fold)
         self.backend = events.backend()
+        self._queue: list[tuple[int, dict]] = []
+        self._flusher: asyncio.Task | None = None
 
-    async def _send(self, event: dict) -> None:
+    def _send(self, event: dict) -> None:
         self.seq += 1
-        await self.backend.publish(self.turn_id, self.seq, event)
+        self._queue.append((self.seq, event))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
 
-    async def start(self) -> None:
-        await self.backend.open(self.turn_id)
-        await self._send({"event": "turn_start", "_meta": {"turnId": self.turn_id}})
+    async def _flush(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue, []
+            await self.backend.publish_many(self.turn_id, batch)
 
     async def emit(self, event: dict) -> None:
         self.produced.append(event)
         for shaped in self.shaper.feed(event):
-            await self._send(shaped)
+            self._send(shaped)
 
     async def close(self) -> None:
+        """Flush the last part and wait until every event is written."""
         for shaped in self.shaper.flush():
-            await self._send(shaped)
+            self._send(shaped)
+        while self._flusher is not None and not self._flusher.done():
+            await asyncio.shield(self._flusher)
 
 
 class HostContext:
@@ -147,6 +166,7 @@ class HostContext:
         self.agent_name = plan.agent_name
         self.config = plan.config
         self.options = plan.options
+        self.options_set = plan.options_set
         self.server_tools = plan.server_tools
         self.client_tools = plan.client_tools
         self.history = plan.history
@@ -188,6 +208,9 @@ class HostContext:
                 )
             outcomes.append(outcome)
         return outcomes
+
+    def request_permission(self, call: ToolCall) -> None:
+        self.pending.append({"toolCallId": call.toolCallId, "name": call.name, "input": call.input, "kind": "permission"})
 
     def set_compacted(self, compaction: Compaction) -> None:
         self.compaction = compaction
@@ -242,10 +265,7 @@ async def _keep_lease(turn_id: str) -> None:
 
 
 def _log_failure(plan: TurnPlan, exc: BaseException) -> None:
-    # Where it failed, not what it said: exception messages can carry provider payloads.
-    frames = traceback.extract_tb(exc.__traceback__)[-4:]
-    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
-    logger.error("turn %s (agent %s) failed with %s at %s", plan.turn_id, plan.agent_name, type(exc).__name__, where)
+    logger.error("turn %s (agent %s) failed: %s", plan.turn_id, plan.agent_name, describe_failure(exc))
 
 
 async def execute(plan: TurnPlan) -> TurnOutcome:
@@ -259,14 +279,15 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
     cancelled, error = False, ""
     stop_reason = "error"
     try:
-        await publisher.start()
         if await events.backend().cancel_requested(plan.turn_id):
-            raise asyncio.CancelledError
-        if runtime.host_executes_server_tools:
-            await _resolve_permissions(ctx, plan)
-        stop_reason = await runtime.run(ctx)
-        if stop_reason not in STOP_REASONS:
-            raise AgentError(f"The agent returned an unknown stop reason {stop_reason!r}.")
+            # Cancelled while queued: a CancelledError raised here would not count as a cancel.
+            cancelled, stop_reason = True, "end_turn"
+        else:
+            if runtime.host_executes_server_tools:
+                await _resolve_permissions(ctx, plan)
+            stop_reason = await runtime.run(ctx)
+            if stop_reason not in STOP_REASONS:
+                raise AgentError(f"The agent returned an unknown stop reason {stop_reason!r}.")
     except asyncio.CancelledError:
         if not task.cancelling():
             raise

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -356,10 +356,19 @@ def turn_start(*, tenant, session_id: str, data: dict) -> Turn:
         session.pending_calls = []
         session.active_turn = turn
         session.save(update_fields=fields)
-        from .tasks import enqueue_turn
-
-        transaction.on_commit(lambda: enqueue_turn(turn.id))
+        # Permission answers go to the worker holding the prompt that waits on them (ACP).
+        node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
+        transaction.on_commit(lambda: _announce_and_enqueue(turn.id, node))
     return turn
+
+
+def _announce_and_enqueue(turn_id: str, node: str | None) -> None:
+    """Publish `turn_start` (event 1) from here, so a client sees its turn begin at once,
+    then hand the turn to a worker."""
+    from .tasks import enqueue_turn
+
+    events.backend().publish_sync(turn_id, 1, {"event": "turn_start", "_meta": {"turnId": turn_id}})
+    enqueue_turn(turn_id, node=node)
 
 
 def _server_bindings(agent: Agent, refs: list[dict] | None) -> dict[str, ServerToolBinding]:
@@ -403,6 +412,7 @@ def _plan(turn: Turn, session: Session) -> tuple[host.TurnPlan, list[tuple[int, 
         runtime_kind=agent.runtime_kind,
         config=agent.runtime_config or {},
         options=effective_options(agent, session.options),
+        options_set=frozenset(session.options),
         server_tools=_server_bindings(agent, session.server_tools),
         client_tools={tool["name"]: tool for tool in session.client_tools or []},
         history=[message for _, message in compacted],
@@ -442,6 +452,8 @@ def turn_execute(turn_id: str) -> None:
         )
         compacted = []
     else:
+        # The agent may run for minutes: give the connection back to the pool meanwhile.
+        connection.close()
         outcome = host.execute_sync(plan)
     _finish(turn_id, session.pk, outcome, compacted)
 
@@ -552,6 +564,14 @@ def _finalize_if_lost(turn: Turn, session: Session) -> bool:
     logger.warning("turn %s was lost (%s); ended with error", turn.id, turn.status)
     turn.status = Turn.DONE
     return True
+
+
+def turn_recover_if_lost_released(turn_id: str) -> bool:
+    """turn_recover_if_lost for a stream's liveness check: the connection goes back at once."""
+    try:
+        return turn_recover_if_lost(turn_id)
+    finally:
+        connection.close()
 
 
 def turn_recover_if_lost(turn_id: str) -> bool:

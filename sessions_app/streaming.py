@@ -18,7 +18,7 @@ from .protocol import SSE_PING, dumps, event_data, fold, sse_frame
 
 LIVENESS_CHECK_SECONDS = 5.0
 
-_recover = sync_to_async(services.turn_recover_if_lost, thread_sensitive=False)
+_recover = sync_to_async(services.turn_recover_if_lost_released, thread_sensitive=False)
 
 
 async def _follow(turn_id: str, after: int):

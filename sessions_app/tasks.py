@@ -33,9 +33,14 @@ def _run_embedded(turn_id: str) -> None:
         close_old_connections()
 
 
-def enqueue_turn(turn_id: str) -> None:
-    """Hand a turn to a Celery worker (REDIS_URL set) or to a thread of this process."""
-    if settings.REDIS_URL:
+def enqueue_turn(turn_id: str, *, node: str | None = None) -> None:
+    """Hand a turn to a Celery worker (REDIS_URL set) or to a thread of this process;
+    `node` names the worker that must run it (its direct queue, `worker_direct`)."""
+    if settings.REDIS_URL and node:
+        from celery.utils.nodenames import worker_direct
+
+        run_turn.apply_async((turn_id,), queue=worker_direct(node))
+    elif settings.REDIS_URL:
         run_turn.delay(turn_id)
     else:
         _embedded_pool().submit(_run_embedded, turn_id)

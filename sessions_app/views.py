@@ -1,6 +1,7 @@
 """AAP v3 endpoints. Thin: validate with a protocol serializer, call one service, answer."""
 
 from django.conf import settings
+from django.db import connection
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
@@ -116,6 +117,7 @@ class TurnsView(APIView):
     def post(self, request, session_id):
         data = _validated(protocol.TurnRequestSerializer, request.data)
         turn = services.turn_start(tenant=request.user.tenant, session_id=session_id, data=data)
+        connection.close()  # the stream may stay open for minutes: release the connection now
         return turn_response(turn.id, turn.stream)
 
 
@@ -130,7 +132,11 @@ class TurnEventsView(APIView):
     @extend_schema(
         summary="Re-attach to a turn's events",
         parameters=[OpenApiParameter("Last-Event-ID", OpenApiTypes.INT, OpenApiParameter.HEADER)],
-        responses={200: OpenApiResponse(description="text/event-stream of the events after Last-Event-ID"), **ERRORS},
+        responses={
+            200: OpenApiResponse(description="text/event-stream of the events after Last-Event-ID"),
+            204: OpenApiResponse(description="The reader already has the turn's turn_stop."),
+            **ERRORS,
+        },
     )
     def get(self, request, session_id, turn_id):
         after = _last_event_id(request)
@@ -139,8 +145,14 @@ class TurnEventsView(APIView):
         ).first()
         if turn is None:
             raise NotFound(f"No turn '{turn_id}' exists on session '{session_id}' for this token's tenant.")
-        if turn.status == Turn.DONE and not events.backend().read_all_sync(turn.id):
-            raise NotFound(f"The events of turn '{turn_id}' are no longer kept; read the session's history.")
+        if turn.status == Turn.DONE:
+            kept = events.backend().read_all_sync(turn.id)
+            if not kept:
+                raise NotFound(f"The events of turn '{turn_id}' are no longer kept; read the session's history.")
+            if kept[-1][1].get("event") == "turn_stop" and kept[-1][0] <= after:
+                # The reader has everything: 204 tells an EventSource to stop reconnecting.
+                return Response(status=status.HTTP_204_NO_CONTENT)
+        connection.close()
         return turn_response(turn.id, "delta" if turn.stream == "delta" else "message", after=after)
 
 

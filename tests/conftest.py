@@ -45,7 +45,7 @@ def log_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def pg_stack(django_db_setup, django_db_blocker, log_dir):
+def pg_stack(django_db_setup, django_db_blocker, log_dir, tmp_path_factory):
     import redis
     from django.db import connection
 
@@ -54,7 +54,11 @@ def pg_stack(django_db_setup, django_db_blocker, log_dir):
     redis.Redis.from_url(redis_url).flushdb()
     parts = urlsplit(database_url)
     test_db_url = urlunsplit(parts._replace(path="/" + connection.settings_dict["NAME"]))
-    stack = Stack("pg", {**TEST_ENV, "DATABASE_URL": test_db_url, "REDIS_URL": redis_url}, log_dir)
+    workspaces = tmp_path_factory.mktemp("workspaces")
+    stack = Stack(
+        "pg", {**TEST_ENV, "DATABASE_URL": test_db_url, "REDIS_URL": redis_url, "AAP_WORKSPACE_ROOT": str(workspaces)},
+        log_dir,
+    )
     try:
         _seed(stack)
         stack.start_web()

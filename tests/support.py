@@ -160,8 +160,9 @@ class AAP:
         assert response.status_code == 200, response.text
         return response.json()
 
-    def create_session(self, agent: str = "echo", **body) -> str:
-        payload = {"agent": {"name": agent, **body.pop("agent", {})}, **body}
+    def create_session(self, name: str = "echo", *, agent: dict | None = None, **body) -> str:
+        """Create a session of agent `name`; `agent` adds tools/options to its AgentConfig."""
+        payload = {"agent": {"name": name, **(agent or {})}, **body}
         response = self.post("/v1/sessions", payload)
         assert response.status_code == 201, response.text
         return response.json()["sessionId"]
@@ -237,21 +238,25 @@ class Stack:
     def start_worker(self) -> None:
         if not self.uses_redis:
             return
+        node = f"{self.name}-{time.time_ns()}"
         self.worker = self._spawn(
             "celery",
             [str(BIN / "celery"), "-A", "hosting", "worker", "--pool", "threads", "--concurrency", "16",
-             "-Q", "aap-turns", "--loglevel", "INFO", "-n", f"{self.name}-{time.time_ns()}@%h", "--without-gossip",
+             "-Q", "aap-turns", "--loglevel", "INFO", "-n", f"{node}@%h", "--without-gossip",
              "--without-mingle", "--without-heartbeat"],
         )
-        self._wait_worker_ready()
+        self._wait_worker_ready(node=node)
 
-    def _wait_worker_ready(self, timeout: float = 60.0) -> None:
+    def _wait_worker_ready(self, timeout: float = 60.0, node: str = "") -> None:
         log_path = self.log_dir / f"{self.name}-celery.log"
         deadline = time.monotonic() + timeout
+        # The log is shared by restarted workers: wait for this node's own "ready." line.
+        ready = f"{node}@" if node else ""
         while time.monotonic() < deadline:
             if self.worker.poll() is not None:
                 raise RuntimeError(f"celery worker exited:\n{log_path.read_text()[-3000:]}")
-            if log_path.exists() and "ready." in log_path.read_text()[-5000:]:
+            tail = log_path.read_text()[-5000:] if log_path.exists() else ""
+            if any(ready in line and line.endswith(" ready.") for line in tail.splitlines()):
                 return
             time.sleep(0.2)
         raise RuntimeError("celery worker did not become ready")
@@ -269,6 +274,24 @@ class Stack:
                 pass
             time.sleep(0.2)
         raise RuntimeError("daphne did not become healthy")
+
+    def start_extra_worker(self, label: str, timeout: float = 60.0) -> subprocess.Popen:
+        """One more Celery worker process on the turn queue (the caller stops it with SIGTERM)."""
+        proc = self._spawn(
+            label,
+            [str(BIN / "celery"), "-A", "hosting", "worker", "--pool", "threads", "--concurrency", "4",
+             "-Q", "aap-turns", "--loglevel", "INFO", "-n", f"{self.name}-{label}-{time.time_ns()}@%h",
+             "--without-gossip", "--without-mingle", "--without-heartbeat"],
+        )
+        log_path = self.log_dir / f"{self.name}-{label}.log"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"celery worker {label} exited:\n{log_path.read_text()[-3000:]}")
+            if log_path.exists() and "ready." in log_path.read_text()[-5000:]:
+                return proc
+            time.sleep(0.2)
+        raise RuntimeError(f"celery worker {label} did not become ready")
 
     def kill_worker(self) -> None:
         """SIGKILL the worker, as a crashed machine would."""

@@ -87,6 +87,7 @@ class TurnContext(Protocol):
     agent_name: str
     config: dict
     options: dict[str, str]  # effective values, secrets decrypted (in memory only)
+    options_set: frozenset[str]  # the option names the application set (the others are defaults)
     server_tools: dict[str, ServerToolBinding]
     client_tools: dict[str, dict]
     history: list[dict]  # the compacted history, ending with this turn's incoming messages
@@ -99,6 +100,10 @@ class TurnContext(Protocol):
 
     async def call_tools(self, calls: list[ToolCall]) -> list[ToolOutcome]:
         """Emit tool calls; run trusted server tools inline; report those pending on the app."""
+
+    def request_permission(self, call: ToolCall) -> None:
+        """An already-emitted tool call now waits on the application's permission (runtimes
+        that run their own tools); the turn then ends with `tool_use`."""
 
     def set_compacted(self, compaction: Compaction) -> None:
         """Rewrite the compacted history once the turn's messages are appended."""
@@ -164,3 +169,8 @@ class Runtime(ABC):
 
     async def on_session_deleted(self, *, session_id: str, tenant: str, config: dict) -> None:
         """Release whatever the runtime holds for a deleted session."""
+
+    def pinned_worker(self, *, session_id: str) -> str | None:
+        """The Celery worker node holding this session's in-flight work, where its next turn
+        must run (None: any worker). Called while a turn is being started."""
+        return None
