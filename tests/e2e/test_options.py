@@ -1,0 +1,126 @@
+"""What a turn's `agent` and `tools` change persists for the rest of the session; secrets
+stay secret and survive a `***` round trip; against the production stack and the embedded mode."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from .turns import CLIENT_TOOL, checked_turn, new_session, text_reply, user
+
+SECRET = "sk-live-a1b2c3d4e5"
+
+
+def fingerprint(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()[:8]
+
+
+@pytest.fixture
+def client(stack):
+    client = stack.client()
+    yield client
+    client.close()
+
+
+def session_info(client, session: str) -> dict:
+    response = client.get(f"/v1/sessions/{session}")
+    assert response.status_code == 200, response.text
+    assert SECRET not in response.text
+    return response.json()
+
+
+def test_option_overrides_in_a_turn_persist(client):
+    session = new_session(client, options={"signature": "first"})
+    result = checked_turn(
+        client, session, user("hi"), stream="delta",
+        agent={"options": {"style": "upper", "signature": "Sig", "apiKey": SECRET}},
+    )
+    assert result.messages == text_reply("echo: HI -- Sig")
+    assert SECRET.encode() not in result.raw
+    assert session_info(client, session)["agent"] == {
+        "name": "echo", "options": {"style": "upper", "signature": "Sig", "apiKey": "***"},
+    }
+    # later turns keep them without repeating them; a turn's options merge by key
+    assert checked_turn(client, session, user("again")).messages == text_reply("echo: AGAIN -- Sig")
+    checked_turn(client, session, user("x"), agent={"options": {"signature": "New"}})
+    assert session_info(client, session)["agent"]["options"] == {"style": "upper", "signature": "New", "apiKey": "***"}
+    whoami = checked_turn(client, session, user("/whoami"), stream="message")
+    assert whoami.messages == text_reply(f"style=upper signature=New apiKey={fingerprint(SECRET)}")
+    for kind in ("full", "compacted"):
+        assert SECRET not in str(client.history(session, kind))
+
+
+def test_redacted_secret_sent_back_keeps_the_stored_value(client):
+    session = new_session(client, options={"apiKey": SECRET, "style": "plain"})
+    # an application echoes what GET gave it, placeholder included, and changes one option
+    options = session_info(client, session)["agent"]["options"]
+    assert options == {"apiKey": "***", "style": "plain"}
+    result = checked_turn(
+        client, session, user("/whoami"), stream="delta", agent={"options": {**options, "signature": "kept"}}
+    )
+    assert result.messages == text_reply(f"style=plain signature=kept apiKey={fingerprint(SECRET)}")
+    assert session_info(client, session)["agent"]["options"] == {"apiKey": "***", "style": "plain", "signature": "kept"}
+    # a new value replaces it
+    checked_turn(client, session, user("rotate"), agent={"options": {"apiKey": "sk-rotated"}})
+    assert checked_turn(client, session, user("/whoami")).messages == text_reply(
+        f"style=plain signature=kept apiKey={fingerprint('sk-rotated')}"
+    )
+
+
+def test_redacted_placeholder_without_a_stored_value_keeps_the_operator_default(client):
+    session = new_session(client, "echo-small", options={"apiKey": "***"})
+    assert checked_turn(client, session, user("/whoami")).messages == text_reply(
+        f"style= signature= apiKey={fingerprint('sk-small-window-default')}"
+    )
+    plain = new_session(client, "echo")
+    assert checked_turn(client, plain, user("/whoami"), agent={"options": {"apiKey": "***"}}).messages == text_reply(
+        "style=plain signature= apiKey=unset"
+    )
+
+
+def test_tools_set_in_a_turn_persist(client):
+    session = new_session(client)
+    checked_turn(
+        client, session, user("configure"), agent={"tools": [{"name": "add", "trust": True}]}, tools=[CLIENT_TOOL]
+    )
+    info = session_info(client, session)
+    assert info["agent"]["tools"] == [{"name": "add", "trust": True}]
+    assert info["tools"] == [CLIENT_TOOL]
+    # the trusted server tool runs inline and the client tool is the application's, with no repetition
+    inline = checked_turn(client, session, user('/tool add {"a": 1, "b": 1}'))
+    assert inline.messages[-1] == text_reply("tool add returned: 2")[0]
+    asked = checked_turn(client, session, user('/tool mytool {"x": 3}'))
+    assert asked.stop_reason == "tool_use"
+    [use] = asked.tool_calls()
+    answer = [{"role": "tool", "toolCallId": use["toolCallId"], "content": "three"}]
+    assert checked_turn(client, session, answer).messages == text_reply("tool mytool returned: three")
+    # replacing the server tools with an empty list disables them
+    checked_turn(client, session, user("off"), agent={"tools": []})
+    off = checked_turn(client, session, user('/tool add {"a": 1, "b": 1}'))
+    assert off.messages[-1] == text_reply("tool add returned: Unknown tool: add")[0]
+
+
+def test_bad_overrides_are_refused_and_change_nothing(client):
+    session = new_session(client, options={"style": "upper"})
+    for body, words in [
+        ({"options": {"nope": "x"}}, "nope"),
+        ({"options": {"style": "loud"}}, "style"),
+        ({"name": "echo-small"}, "echo"),
+        ({"tools": [{"name": "not-a-tool"}]}, "not-a-tool"),
+    ]:
+        refused = client.turn(session, text="hi", agent=body)
+        assert refused.status == 400, (body, refused.raw)
+        assert words in refused.body["error"]
+    assert client.history(session) == []
+    assert session_info(client, session)["agent"] == {"name": "echo", "options": {"style": "upper"}}
+    assert checked_turn(client, session, user("ok")).messages == text_reply("echo: OK")
+
+
+def test_secret_is_stored_encrypted(pg_stack, demo, db_access):
+    from sessions_app.models import Session
+
+    session = new_session(demo, options={"apiKey": SECRET})
+    checked_turn(demo, session, user("/whoami"), agent={"options": {"apiKey": "***"}})
+    stored = Session.objects.get(public_id=session).options["apiKey"]
+    assert stored and SECRET not in stored
