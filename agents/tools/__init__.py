@@ -52,4 +52,4 @@ async def run_tool(implementation: str, arguments: Any, settings: dict | None = 
     return await tool.run(arguments, settings or {})
 
 
-from . import builtin  # noqa: E402,F401  (registers the built-in tools)
+from . import builtin, http_fetch  # noqa: E402,F401  (registers the built-in tools)

@@ -1,0 +1,1 @@
+"""Fakes of what lies outside the system: model providers and third-party agents."""
