@@ -6,6 +6,8 @@ from django.utils.module_loading import import_string
 
 RUNTIME_KINDS = {
     "echo": "agents.runtimes.echo.EchoRuntime",
+    "acp": "agents.runtimes.acp.AcpRuntime",
+    "openai": "agents.runtimes.openai.OpenAIRuntime",
 }
 
 

@@ -1,0 +1,652 @@
+"""Runtime kind `acp`: any ACP agent (Agent Client Protocol over stdio) as an AAP agent.
+
+The service is the ACP client; the agent is a child process of the worker. Each AAP session
+gets its own workspace and its own ACP session (`session/new` with the workspace as cwd, or
+`session/load` after a restart when the agent supports it). Agent processes are shared by
+the sessions of one tenant with the same agent and option values, reaped when idle and
+started again on demand. A user turn is one `session/prompt`; its `session/update`s become
+AAP events. The ACP tool kinds are the agent's server tools: a permission request for an
+enabled, trusted kind is allowed by the service, for a kind the session did not enable it is
+rejected, and for an enabled untrusted kind the AAP turn ends with `tool_use` while the
+prompt waits; the next turn's `tool_permission` answers it and the prompt streams on there.
+See docs/acp-agents.md and the bridge contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+
+import acp
+
+from sessions_app.protocol import denial_text
+
+from .acp_bridge import routing, workspace
+from .acp_bridge.process import AgentProcess, ProcessSpec
+from .acp_bridge.session import AcpSession, CallState, PermissionWaiter, Prompt
+from .acp_bridge.terminals import Terminals
+from .base import AgentError, PermissionAnswer, Runtime, StopReason, ToolCall, TurnContext
+
+logger = logging.getLogger(__name__)
+
+TOOL_KINDS = {
+    "read": ("Read", "Read files or data."),
+    "edit": ("Edit", "Create or modify files or content."),
+    "delete": ("Delete", "Delete files or data."),
+    "move": ("Move", "Move or rename files."),
+    "search": ("Search", "Search for information."),
+    "execute": ("Execute", "Run commands or code."),
+    "think": ("Think", "Internal reasoning or planning."),
+    "fetch": ("Fetch", "Retrieve external data."),
+    "switch_mode": ("Switch mode", "Switch the agent's session mode."),
+    "other": ("Other", "Any other tool of the agent."),
+}
+
+STOP_REASONS = {
+    "end_turn": "end_turn",
+    "max_tokens": "max_tokens",
+    "max_turn_requests": "max_tokens",
+    "refusal": "refusal",
+    "cancelled": "end_turn",
+}
+
+CANCEL_GRACE_SECONDS = 10.0
+REAP_INTERVAL_SECONDS = 2.0
+
+_ENV_NAME = {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}
+_NAME_VALUES = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["name", "value"],
+        "properties": {"name": {"type": "string"}, "value": {"type": "string"}},
+        "additionalProperties": False,
+    },
+}
+
+
+@dataclass(frozen=True)
+class _Config:
+    """A validated runtime configuration with its defaults filled in."""
+
+    command: tuple[str, ...]
+    env: dict
+    options: dict
+    mcp_servers: list
+    terminal: bool
+    idle: float
+    permission_timeout: float
+    hang: float
+    start_timeout: float
+    terminal_timeout: float
+    terminal_output_bytes: int
+    max_file_bytes: int
+
+    @classmethod
+    def parse(cls, config: dict) -> _Config:
+        return cls(
+            command=tuple(config.get("command") or ()),
+            env=dict(config.get("env") or {}),
+            options=dict(config.get("options") or {}),
+            mcp_servers=list(config.get("mcpServers") or []),
+            terminal=bool(config.get("terminal", False)),
+            idle=float(config.get("idleSeconds", 600)),
+            permission_timeout=float(config.get("permissionTimeoutSeconds", 600)),
+            hang=float(config.get("hangTimeoutSeconds", 300)),
+            start_timeout=float(config.get("startTimeoutSeconds", 60)),
+            terminal_timeout=float(config.get("terminalTimeoutSeconds", 120)),
+            terminal_output_bytes=int(config.get("terminalOutputBytes", 64 * 1024)),
+            max_file_bytes=int(config.get("maxFileBytes", 1024 * 1024)),
+        )
+
+
+def _tool_input(raw) -> dict:
+    if isinstance(raw, dict):
+        return raw
+    return {} if raw is None else {"value": raw}
+
+
+def _tool_text(state: CallState, failed: bool) -> str:
+    """A tool call's ACP content as the text of its AAP tool_result."""
+    parts = []
+    for item in state.content or []:
+        if item.type == "content":
+            block = item.content
+            if block.type == "text":
+                parts.append(block.text)
+            elif block.type == "resource" and hasattr(block.resource, "text"):
+                parts.append(block.resource.text)
+            else:
+                parts.append(f"[{block.type}]")
+        elif item.type == "diff":
+            parts.append(f"Edited {item.path}")
+        elif item.type == "terminal":
+            parts.append(f"[terminal {item.terminal_id}]")
+    text = "\n".join(parts)
+    if not text and state.raw_output is not None:
+        raw = state.raw_output
+        text = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False)
+    return text or ("Tool call failed." if failed else "Tool call completed.")
+
+
+def _data_uri(url: str) -> tuple[str, str]:
+    head, _, data = url.partition(",")
+    return head[len("data:") :].split(";")[0], "".join(data.split())
+
+
+class AcpRuntime(Runtime):
+    kind = "acp"
+    title = "ACP agent (Agent Client Protocol over stdio)"
+    supports = {
+        "history": ("compacted", "full"),
+        "stream": ("delta", "message", "none"),
+        "application_tools": False,
+        "image": ("data",),
+    }
+    host_executes_server_tools = False
+    config_schema = {
+        "type": "object",
+        "required": ["command"],
+        "additionalProperties": False,
+        "properties": {
+            "command": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+            "env": {"type": "object", "propertyNames": _ENV_NAME, "additionalProperties": {"type": "string"}},
+            "options": {
+                "type": "object",
+                "additionalProperties": {
+                    "oneOf": [
+                        {"type": "object", "required": ["env"], "properties": {"env": _ENV_NAME},
+                         "additionalProperties": False},
+                        {"type": "object", "required": ["configOption"],
+                         "properties": {"configOption": {"type": "string", "minLength": 1}},
+                         "additionalProperties": False},
+                    ]
+                },
+            },
+            "mcpServers": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string", "minLength": 1},
+                        "type": {"enum": ["stdio", "http", "sse"]},
+                        "command": {"type": "string"},
+                        "args": {"type": "array", "items": {"type": "string"}},
+                        "env": _NAME_VALUES,
+                        "url": {"type": "string"},
+                        "headers": _NAME_VALUES,
+                    },
+                    "additionalProperties": False,
+                },
+            },
+            "terminal": {"type": "boolean"},
+            "idleSeconds": {"type": "number", "exclusiveMinimum": 0},
+            "permissionTimeoutSeconds": {"type": "number", "exclusiveMinimum": 0},
+            "hangTimeoutSeconds": {"type": "number", "exclusiveMinimum": 0},
+            "startTimeoutSeconds": {"type": "number", "exclusiveMinimum": 0},
+            "terminalTimeoutSeconds": {"type": "number", "exclusiveMinimum": 0},
+            "terminalOutputBytes": {"type": "integer", "minimum": 1},
+            "maxFileBytes": {"type": "integer", "minimum": 1},
+        },
+    }
+
+    def __init__(self):
+        self._processes: dict[str, AgentProcess] = {}  # by ProcessSpec.key
+        self._starting: dict[str, asyncio.Lock] = {}
+        self._sessions: dict[str, AcpSession] = {}  # by AAP session id
+        self._acp_ids: dict[str, str] = {}  # AAP session id -> last ACP session id
+        self._holds = routing.Holds()
+        self._background: list[asyncio.Task] = []
+        atexit.register(self._kill_all)
+
+    # --- the registry's view ------------------------------------------------------------
+
+    @classmethod
+    def builtin_server_tools(cls, config: dict) -> list[dict]:
+        return [
+            {"name": name, "title": title, "description": f"{text} (ACP tool kind '{name}'.)",
+             "parameters": {"type": "object"}}
+            for name, (title, text) in TOOL_KINDS.items()
+        ]
+
+    def pinned_worker(self, *, session_id: str) -> str | None:
+        return routing.holder_sync(session_id)
+
+    # --- a turn -------------------------------------------------------------------------
+
+    async def run(self, ctx: TurnContext) -> StopReason:
+        self._start_background()
+        cfg = _Config.parse(ctx.config)
+        session = self._sessions.get(ctx.session_id)
+        prompt = session.prompt if session is not None else None
+        claimed: list[AgentProcess] = []  # in use by this turn: never reaped meanwhile
+        try:
+            if ctx.permissions:
+                if prompt is None:
+                    return await self._answer_lost(ctx)
+                claimed.append(self._claim(session.process))
+                await self._holds.release(ctx.session_id)
+                session.permission_timeout = cfg.permission_timeout
+                await self._answer(ctx, prompt, ctx.permissions)
+            else:
+                if prompt is not None:  # its answers will never come (the pending calls were dropped)
+                    await self._drop(ctx.session_id)
+                session = await self._ready_session(ctx, cfg, claimed)
+                prompt = self._start_prompt(ctx, session)
+            session.touch()
+            try:
+                return await self._pump(ctx, session, prompt, cfg)
+            except asyncio.CancelledError:
+                await self._cancel(ctx, session, prompt)
+                raise
+        finally:
+            for process in claimed:
+                process.users -= 1
+                process.touch()
+
+    async def _pump(self, ctx: TurnContext, session: AcpSession, prompt: Prompt, cfg: _Config) -> StopReason:
+        prompt.active = True
+        try:
+            while True:
+                quiet = time.monotonic() - session.last_activity
+                item = await prompt.next(cfg.hang if session.outstanding else max(0.05, cfg.hang - quiet))
+                if item is None:
+                    if session.outstanding == 0 and time.monotonic() - session.last_activity >= cfg.hang:
+                        raise AgentError(await self._hung(session, cfg))
+                    continue
+                kind, payload = item
+                if kind == "update":
+                    await self._update(ctx, prompt, payload)
+                elif kind == "permission":
+                    if await self._permission(ctx, session, prompt, payload):
+                        return "tool_use"
+                else:
+                    return await self._finish(ctx, session, prompt, payload)
+        finally:
+            prompt.active = False
+
+    async def _update(self, ctx: TurnContext, prompt: Prompt, update) -> None:
+        kind = update.session_update
+        if kind in ("agent_message_chunk", "agent_thought_chunk"):
+            content = update.content
+            if getattr(content, "type", None) == "text" and content.text:
+                name = "text_delta" if kind == "agent_message_chunk" else "thinking_delta"
+                await ctx.emit({"event": name, "delta": content.text})
+        elif kind in ("tool_call", "tool_call_update"):
+            state = await self._show_call(ctx, prompt, update)
+            if update.content is not None:
+                state.content = update.content
+            if update.raw_output is not None:
+                state.raw_output = update.raw_output
+            if update.status in ("completed", "failed") and not state.resolved:
+                await self._result(ctx, state, _tool_text(state, update.status == "failed"))
+        # plan, available_commands_update, current_mode_update, user_message_chunk and the
+        # other session updates have no AAP event: they are skipped, never an error.
+
+    async def _show_call(self, ctx: TurnContext, prompt: Prompt, tool_call) -> CallState:
+        """The call's state; emits its `tool_call` event the first time the call is seen."""
+        state = prompt.calls.get(tool_call.tool_call_id)
+        if state is None:
+            # AAP ids are the service's own: ACP ids are only unique within one ACP session.
+            state = CallState(kind=tool_call.kind or "other", aap_id="call_" + uuid.uuid4().hex,
+                              input=_tool_input(tool_call.raw_input))
+            prompt.calls[tool_call.tool_call_id] = state
+            meta = {"acpToolCallId": tool_call.tool_call_id}
+            if tool_call.title:
+                meta["title"] = tool_call.title
+            await ctx.emit({"event": "tool_call", "toolCallId": state.aap_id, "name": state.kind,
+                            "input": state.input, "_meta": meta})
+        return state
+
+    async def _result(self, ctx: TurnContext, state: CallState, content: str) -> None:
+        state.resolved = True
+        await ctx.emit({"event": "tool_result", "toolCallId": state.aap_id, "content": content})
+
+    async def _permission(self, ctx: TurnContext, session: AcpSession, prompt: Prompt,
+                          waiter: PermissionWaiter) -> bool:
+        """Answer a permission request, or hand it to the application (returns True: park)."""
+        state = await self._show_call(ctx, prompt, waiter.tool_call)
+        kind = waiter.tool_call.kind or state.kind
+        if waiter.decided:  # timed out (or cancelled) before a turn saw it
+            if not state.resolved:
+                await self._result(ctx, state, denial_text(self._expiry(waiter)))
+            return False
+        binding = ctx.server_tools.get(kind)
+        if binding is None:
+            waiter.reject()
+            await self._result(ctx, state, denial_text(f"tool kind '{kind}' is not enabled for this session"))
+            return False
+        if binding.trust:
+            waiter.allow()
+            return False
+        ctx.request_permission(ToolCall(state.aap_id, kind, state.input))
+        prompt.waiting[state.aap_id] = waiter
+        prompt.parked_at = time.monotonic()
+        await self._holds.hold(session.aap_id)
+        return True
+
+    @staticmethod
+    def _expiry(waiter: PermissionWaiter) -> str:
+        if waiter.timed_out:
+            return f"no answer within {waiter.timeout:g} seconds"
+        return "the agent no longer waits for this answer"
+
+    async def _answer(self, ctx: TurnContext, prompt: Prompt, answers: list[PermissionAnswer]) -> None:
+        states = {state.aap_id: state for state in prompt.calls.values()}
+        for answer in answers:
+            call_id = answer.call.toolCallId
+            waiter = prompt.waiting.pop(call_id, None)
+            state = states.get(call_id) or CallState(kind=answer.call.name, aap_id=call_id)
+            if waiter is None or waiter.decided:
+                reason = self._expiry(waiter) if waiter else "the agent no longer waits for this answer"
+                await self._result(ctx, state, denial_text(reason))
+            elif answer.granted:
+                waiter.allow()  # the agent runs it; its tool_result comes with the agent's update
+            else:
+                waiter.reject()
+                await self._result(ctx, state, denial_text(answer.reason))
+
+    async def _answer_lost(self, ctx: TurnContext) -> StopReason:
+        for answer in ctx.permissions:
+            await ctx.emit({"event": "tool_result", "toolCallId": answer.call.toolCallId,
+                            "content": denial_text("the agent is no longer waiting for this answer")})
+        raise AgentError(
+            "The agent prompt that asked for this permission is gone (its process stopped or restarted); "
+            "send a new message."
+        )
+
+    async def _finish(self, ctx: TurnContext, session: AcpSession, prompt: Prompt, result) -> StopReason:
+        if session.prompt is prompt:
+            session.prompt = None
+        await self._holds.release(session.aap_id)
+        await self._close_calls(ctx, prompt)
+        if isinstance(result, acp.RequestError):
+            logger.warning("ACP agent %s failed a prompt: %s %s", session.process.spec.label, result.code,
+                           session.process.spec.redact(str(result))[:300])
+            raise AgentError(f"The agent failed the prompt (JSON-RPC error {result.code}).")
+        if isinstance(result, BaseException):
+            raise AgentError(await session.process.explain())
+        reason = result.stop_reason
+        if reason == "cancelled":
+            ctx.set_stop_meta(cancelled=True)
+        if result.usage is not None:
+            ctx.add_usage(prompt_tokens=result.usage.input_tokens, completion_tokens=result.usage.output_tokens)
+        return STOP_REASONS.get(reason, "end_turn")
+
+    async def _close_calls(self, ctx: TurnContext, prompt: Prompt) -> None:
+        """Give every shown tool call a result, so no tool_use is left dangling in history."""
+        for state in prompt.calls.values():
+            if not state.resolved:
+                content = _tool_text(state, False) if state.content else "The tool call ended without a result."
+                await self._result(ctx, state, content)
+
+    async def _hung(self, session: AcpSession, cfg: _Config) -> str:
+        reason = f"The agent sent nothing for {cfg.hang:g} seconds while working; its process was stopped."
+        session.prompt = None
+        await session.process.stop(reason, kill=True)
+        return session.process.failure or reason
+
+    async def _cancel(self, ctx: TurnContext, session: AcpSession, prompt: Prompt) -> None:
+        """The turn was cancelled: `session/cancel`, then let the prompt end as cancelled."""
+        if session.prompt is not prompt:
+            return
+        try:
+            with contextlib.suppress(Exception):
+                await session.process.conn.cancel(session_id=session.acp_id)
+            for waiter in prompt.pending_waiters():
+                waiter.cancel()
+            deadline = time.monotonic() + CANCEL_GRACE_SECONDS
+            while session.prompt is prompt:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    session.prompt = None
+                    await session.process.stop(
+                        "The agent did not stop after session/cancel; its process was stopped.", kill=True
+                    )
+                    break
+                item = await prompt.next(remaining)
+                if item is None:
+                    continue
+                kind, payload = item
+                if kind == "update":
+                    await self._update(ctx, prompt, payload)
+                elif kind == "permission":
+                    payload.cancel()
+                else:
+                    session.prompt = None
+            await self._holds.release(session.aap_id)
+            await self._close_calls(ctx, prompt)
+        except Exception as exc:
+            logger.warning("cancelling an ACP prompt failed: %s", type(exc).__name__)
+
+    # --- sessions and processes -----------------------------------------------------------
+
+    def _spec(self, ctx: TurnContext, cfg: _Config) -> ProcessSpec:
+        option_env = {
+            route["env"]: ctx.options[name]
+            for name, route in cfg.options.items()
+            if "env" in route and ctx.options.get(name)
+        }
+        identity = json.dumps([ctx.tenant, ctx.agent_name, ctx.config, option_env], sort_keys=True)
+        key = hashlib.sha256(identity.encode()).hexdigest()
+        return ProcessSpec(
+            key=key,
+            label=f"{ctx.agent_name}/{ctx.tenant}/{key[:8]}",
+            argv=cfg.command,
+            env={**cfg.env, **option_env},
+            home=workspace.agent_home(ctx.tenant, ctx.agent_name),
+            terminal=cfg.terminal,
+            start_timeout=cfg.start_timeout,
+            max_file_bytes=cfg.max_file_bytes,
+            terminal_timeout=cfg.terminal_timeout,
+            terminal_output_bytes=cfg.terminal_output_bytes,
+            idle=cfg.idle,
+        )
+
+    @staticmethod
+    def _claim(process: AgentProcess) -> AgentProcess:
+        process.users += 1
+        process.touch()
+        return process
+
+    async def _process_for(self, spec: ProcessSpec, claimed: list[AgentProcess]) -> AgentProcess:
+        """The running process for `spec` (started if needed), claimed for this turn."""
+        process = self._processes.get(spec.key)
+        if process is not None and process.alive:
+            claimed.append(self._claim(process))
+            return process
+        lock = self._starting.setdefault(spec.key, asyncio.Lock())
+        async with lock:
+            process = self._processes.get(spec.key)
+            if process is None or not process.alive:
+                process = AgentProcess(spec)
+                self._processes[spec.key] = process
+                claimed.append(self._claim(process))
+                await process.start()
+            else:
+                claimed.append(self._claim(process))
+            return process
+
+    async def _ready_session(self, ctx: TurnContext, cfg: _Config, claimed: list[AgentProcess]) -> AcpSession:
+        process = await self._process_for(self._spec(ctx, cfg), claimed)
+        session = self._sessions.get(ctx.session_id)
+        if session is None or session.process is not process or not process.alive:
+            if session is not None:
+                await self._drop(ctx.session_id)
+            session = await self._open_session(ctx, cfg, process)
+        session.permission_timeout = cfg.permission_timeout
+        await self._apply_config_options(ctx, cfg, session)
+        return session
+
+    async def _open_session(self, ctx: TurnContext, cfg: _Config, process: AgentProcess) -> AcpSession:
+        try:
+            path = workspace.ensure_dir(workspace.workspace_path(ctx.tenant, ctx.session_id))
+        except (ValueError, OSError) as exc:
+            raise AgentError(f"The session's workspace cannot be created ({type(exc).__name__}).") from None
+        previous = await routing.recall_acp_session(ctx.session_id, self._acp_ids)
+        response, acp_id = None, None
+        if previous and process.capabilities.load_session:
+            try:
+                response = await process.call(
+                    process.conn.load_session(cwd=str(path), session_id=previous, mcp_servers=cfg.mcp_servers),
+                    "session/load",
+                )
+                acp_id = previous
+            except AgentError:
+                if not process.alive:
+                    raise
+                logger.info("ACP agent %s could not load a session; starting a new one", process.spec.label)
+        if acp_id is None:
+            response = await process.call(
+                process.conn.new_session(cwd=str(path), mcp_servers=cfg.mcp_servers), "session/new"
+            )
+            acp_id = response.session_id
+        session = AcpSession(
+            aap_id=ctx.session_id, tenant=ctx.tenant, acp_id=acp_id, workspace=path, process=process,
+            terminals=Terminals(path, timeout=cfg.terminal_timeout, max_output=cfg.terminal_output_bytes),
+            permission_timeout=cfg.permission_timeout,
+        )
+        session.config_ids = {option.id for option in getattr(response, "config_options", None) or []}
+        process.sessions[acp_id] = session
+        self._sessions[ctx.session_id] = session
+        await routing.remember_acp_session(ctx.session_id, acp_id, self._acp_ids)
+        return session
+
+    async def _apply_config_options(self, ctx: TurnContext, cfg: _Config, session: AcpSession) -> None:
+        """Set options routed to `session/set_config_option` when their value changed."""
+        for name, route in cfg.options.items():
+            config_id = route.get("configOption")
+            value = ctx.options.get(name, "")
+            if not config_id or not value or session.config_values.get(config_id) == value:
+                continue
+            if config_id not in session.config_ids:
+                logger.info("ACP agent %s advertises no config option %r; option %r not applied",
+                            session.process.spec.label, config_id, name)
+                continue
+            process = session.process
+            await process.call(
+                process.conn.set_config_option(config_id=config_id, session_id=session.acp_id, value=value),
+                f"option '{name}'",
+            )
+            session.config_values[config_id] = value
+
+    def _start_prompt(self, ctx: TurnContext, session: AcpSession) -> Prompt:
+        prompt = Prompt()
+        session.prompt = prompt
+        blocks = self._blocks(ctx, session.process)
+        prompt.task = asyncio.get_running_loop().create_task(self._send_prompt(session, prompt, blocks))
+        return prompt
+
+    async def _send_prompt(self, session: AcpSession, prompt: Prompt, blocks: list) -> None:
+        try:
+            result = await session.process.conn.prompt(session_id=session.acp_id, prompt=blocks)
+        except asyncio.CancelledError:
+            prompt.queue.put_nowait(("done", ConnectionError("the prompt was abandoned")))
+            raise
+        except Exception as exc:
+            result = exc
+        prompt.finished_at = time.monotonic()
+        prompt.queue.put_nowait(("done", result))
+
+    @staticmethod
+    def _blocks(ctx: TurnContext, process: AgentProcess) -> list:
+        message = ctx.incoming[-1] if ctx.incoming else {}
+        content = message.get("content", "")
+        if isinstance(content, str):
+            return [acp.text_block(content)]
+        images = bool(process.capabilities.prompt_capabilities and process.capabilities.prompt_capabilities.image)
+        blocks = []
+        for block in content:
+            if block.get("type") == "text":
+                blocks.append(acp.text_block(block["text"]))
+            elif block.get("type") == "image" and images and block["url"].startswith("data:"):
+                mime, data = _data_uri(block["url"])
+                blocks.append(acp.image_block(data, mime))
+            elif block.get("type") == "image":
+                blocks.append(acp.text_block("[an image was attached; this agent does not accept images]"))
+        return blocks or [acp.text_block("")]
+
+    async def _drop(self, session_id: str) -> None:
+        """Forget what this process holds for a session (its prompt is cancelled)."""
+        session = self._sessions.pop(session_id, None)
+        await self._holds.release(session_id)
+        if session is None:
+            return
+        prompt, session.prompt = session.prompt, None
+        session.close()
+        session.process.sessions.pop(session.acp_id, None)
+        if prompt is not None and prompt.task is not None and not prompt.task.done() and session.process.alive:
+            with contextlib.suppress(Exception):
+                await session.process.conn.cancel(session_id=session.acp_id)
+
+    async def on_session_deleted(self, *, session_id: str, tenant: str, config: dict) -> None:
+        await self._drop(session_id)
+        with contextlib.suppress(Exception):
+            await routing.announce_deleted(session_id)
+        with contextlib.suppress(Exception):
+            await routing.forget_acp_session(session_id, self._acp_ids)
+        try:
+            await asyncio.to_thread(workspace.remove_workspace, tenant, session_id)
+        except ValueError:
+            pass
+
+    # --- background: idle reaping and deletes seen by other processes ---------------------
+
+    def _start_background(self) -> None:
+        if self._background and not any(task.done() for task in self._background):
+            return
+        loop = asyncio.get_running_loop()
+        self._background = [
+            loop.create_task(self._reap_forever()),
+            loop.create_task(routing.listen_deleted(self._on_deleted_elsewhere)),
+        ]
+
+    def _on_deleted_elsewhere(self, session_id: str) -> None:
+        if session_id in self._sessions:
+            asyncio.get_running_loop().create_task(self._drop(session_id))
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_SECONDS)
+            try:
+                await self._reap()
+            except Exception as exc:
+                logger.warning("reaping ACP agents failed: %s", type(exc).__name__)
+
+    async def _reap(self) -> None:
+        now = time.monotonic()
+        for session_id, session in list(self._sessions.items()):
+            idle = session.process.spec.idle
+            prompt = session.prompt
+            busy = prompt is not None and (prompt.active or prompt.pending_waiters())
+            if not busy and now - session.last_activity > idle and (prompt is not None or not session.process.alive):
+                await self._drop(session_id)  # an undelivered prompt nobody came back for
+        for key, process in list(self._processes.items()):
+            sessions = list(process.sessions.values())
+            if not process.alive:
+                self._processes.pop(key, None)
+                continue
+            if process.users or now - process.last_used <= process.spec.idle:
+                continue
+            if any(s.prompt is not None or now - s.last_activity <= process.spec.idle for s in sessions):
+                continue
+            self._processes.pop(key, None)
+            for session in sessions:
+                self._sessions.pop(session.aap_id, None)
+            await process.stop("The agent process was idle.")
+
+    def _kill_all(self) -> None:
+        for process in list(self._processes.values()):
+            if process.pid:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)

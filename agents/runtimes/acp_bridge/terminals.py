@@ -1,0 +1,123 @@
+"""`terminal/*` for ACP agents: commands run in the session's workspace, with a timeout and
+an output byte limit, in their own process group so a kill reaches their children too."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import acp
+
+from .workspace import WorkspaceError, confined_dir
+
+
+def _trim(data: bytearray, limit: int) -> bool:
+    """Drop bytes from the start to fit `limit`, never splitting a UTF-8 character."""
+    if len(data) <= limit:
+        return False
+    cut = len(data) - limit
+    while cut < len(data) and (data[cut] & 0xC0) == 0x80:
+        cut += 1
+    del data[:cut]
+    return True
+
+
+class Terminal:
+    def __init__(self, process: asyncio.subprocess.Process, limit: int, timeout: float):
+        self.process = process
+        self.limit = limit
+        self.output = bytearray()
+        self.truncated = False
+        self.timed_out = False
+        self._reader = asyncio.create_task(self._read())
+        self._timer = asyncio.get_running_loop().call_later(timeout, self._time_out)
+
+    async def _read(self) -> None:
+        while chunk := await self.process.stdout.read(65536):
+            self.output.extend(chunk)
+            self.truncated = _trim(self.output, self.limit) or self.truncated
+
+    def _time_out(self) -> None:
+        self.timed_out = True
+        self.kill()
+
+    def kill(self) -> None:
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+    def exit_status(self) -> dict | None:
+        code = self.process.returncode
+        if code is None:
+            return None
+        if code < 0:
+            return {"exitCode": None, "signal": signal.Signals(-code).name}
+        return {"exitCode": code, "signal": None}
+
+    async def wait(self) -> dict:
+        await self.process.wait()
+        await self._reader
+        self._timer.cancel()
+        return self.exit_status()
+
+    def text(self) -> str:
+        return bytes(self.output).decode("utf-8", errors="replace")
+
+
+class Terminals:
+    """The terminals of one ACP session."""
+
+    def __init__(self, workspace: Path, *, timeout: float, max_output: int):
+        self.workspace = workspace
+        self.timeout = timeout
+        self.max_output = max_output
+        self._terminals: dict[str, Terminal] = {}
+
+    def _get(self, terminal_id: str) -> Terminal:
+        terminal = self._terminals.get(terminal_id)
+        if terminal is None:
+            raise acp.RequestError.invalid_params({"terminalId": "unknown terminal"})
+        return terminal
+
+    async def create(self, command: str, args: list[str] | None, env: list | None, cwd: str | None,
+                     output_byte_limit: int | None) -> str:
+        try:
+            directory = confined_dir(self.workspace, cwd)
+        except WorkspaceError as exc:
+            raise acp.RequestError(exc.code, str(exc)) from None
+        environment = {**acp.default_environment(), "HOME": str(self.workspace)}
+        environment.update({item.name: item.value for item in env or []})
+        try:
+            process = await asyncio.create_subprocess_exec(
+                command, *(args or []), cwd=directory, env=environment, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            )
+        except OSError as exc:
+            raise acp.RequestError.invalid_params({"command": f"cannot run ({type(exc).__name__})"}) from None
+        limit = min(int(output_byte_limit), self.max_output) if output_byte_limit else self.max_output
+        terminal_id = "term_" + uuid.uuid4().hex
+        self._terminals[terminal_id] = Terminal(process, limit, self.timeout)
+        return terminal_id
+
+    def output(self, terminal_id: str) -> dict:
+        terminal = self._get(terminal_id)
+        return {"output": terminal.text(), "truncated": terminal.truncated, "exitStatus": terminal.exit_status()}
+
+    async def wait(self, terminal_id: str) -> dict:
+        return await self._get(terminal_id).wait()
+
+    def kill(self, terminal_id: str) -> None:
+        self._get(terminal_id).kill()
+
+    def release(self, terminal_id: str) -> None:
+        terminal = self._terminals.pop(terminal_id, None)
+        if terminal is not None:
+            terminal.kill()
+
+    def close(self) -> None:
+        for terminal_id in list(self._terminals):
+            self.release(terminal_id)

@@ -1,0 +1,429 @@
+"""The `acp` runtime end to end with a scripted ACP agent (tests/fakes/acp_agent.py) as a real
+child process of the worker: Daphne + Celery + PostgreSQL + Redis (and one basic turn in the
+embedded mode)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support import ROOT, Stack
+
+from .turns import MODES, LiveTurn, checked_turn, deltas, numbered_calls, text_reply, user, wait_until
+
+TOOL_KINDS = ["read", "edit", "delete", "move", "search", "execute", "think", "fetch", "switch_mode", "other"]
+OPERATOR_SECRET = "sk-acp-operator-secret-0001"
+FAKE = [sys.executable, "-m", "tests.fakes.acp_agent"]
+STREAMS = {"history": {"compacted": {}, "full": {}}, "stream": {"delta": {}, "message": {}, "none": {}}}
+
+
+def fake_agent(name: str, **config) -> dict:
+    env = {"PYTHONPATH": str(ROOT), **config.pop("env", {})}
+    return {
+        "name": name,
+        "title": f"Scripted ACP agent {name}",
+        "runtime": {"kind": "acp", "config": {
+            "command": FAKE, "env": env,
+            "options": {"model": {"configOption": "model"}, "apiKey": {"env": "FAKE_API_KEY"}},
+            **config,
+        }},
+        "options": [
+            {"type": "select", "name": "model", "options": ["fast", "smart"], "default": "fast"},
+            {"type": "secret", "name": "apiKey", "default": OPERATOR_SECRET},
+        ],
+        "capabilities": {**STREAMS, "image": {"data": {}}},
+    }
+
+
+AGENTS = [
+    fake_agent("acp-fake", mcpServers=[{"name": "docs", "command": "/bin/true", "args": [], "env": []}]),
+    fake_agent("acp-quick", permissionTimeoutSeconds=2, hangTimeoutSeconds=3),
+    fake_agent("acp-terminal", terminal=True, terminalTimeoutSeconds=2),
+    fake_agent("acp-loader", env={"FAKE_ACP_LOAD_SESSION": "1"}, idleSeconds=2),
+]
+_applied: set[str] = set()
+
+
+def with_agents(stack: Stack, tmp_path_factory) -> Stack:
+    if stack.name not in _applied:
+        path = tmp_path_factory.mktemp("acp-agents") / "agents.yaml"
+        path.write_text(yaml.safe_dump({"agents": AGENTS}))
+        stack.manage("apply_agents", str(path))
+        _applied.add(stack.name)
+    return stack
+
+
+@pytest.fixture
+def pg(pg_stack, tmp_path_factory) -> Stack:
+    return with_agents(pg_stack, tmp_path_factory)
+
+
+@pytest.fixture
+def client(pg):
+    client = pg.client("demo")
+    yield client
+    client.close()
+
+
+def workspace(stack: Stack, session: str, tenant: str = "demo") -> Path:
+    root = stack.env.get("AAP_WORKSPACE_ROOT") or str(Path(stack.env["HOSTING_VAR_DIR"]) / "workspaces")
+    return Path(os.path.realpath(root)) / tenant / session
+
+
+def session_of(client, agent: str = "acp-fake", *, tools: list[dict] | None = None, options: dict | None = None) -> str:
+    config: dict = {"name": agent}
+    if tools is not None:
+        config["tools"] = tools
+    if options is not None:
+        config["options"] = options
+    response = client.post("/v1/sessions", {"agent": config})
+    assert response.status_code == 201, response.text
+    return response.json()["sessionId"]
+
+
+def said(client, session: str, text: str, **body) -> str:
+    """Run a user turn that must end normally; returns the assistant's text."""
+    result = checked_turn(client, session, user(text), **body)
+    assert result.stop_reason == "end_turn", result.body or result.names
+    return "".join(b["text"] for m in result.messages if m["role"] == "assistant" for b in m["content"]
+                   if b["type"] == "text")
+
+
+def agent_pid(client, session: str) -> int:
+    return int(said(client, session, "/pid").removeprefix("pid="))
+
+
+def answer(client, session: str, call_id: str, granted: bool, *, stream: str = "none", reason: str | None = None):
+    message = {"role": "tool_permission", "toolCallId": call_id, "granted": granted}
+    if reason:
+        message["reason"] = reason
+    return checked_turn(client, session, [message], stream=stream, stored=[])
+
+
+def same_turn_in_every_mode(client, session: str, messages: list[dict]) -> dict:
+    """The same turn once per stream mode: all three fold to the same messages (up to call ids)."""
+    results = {mode: checked_turn(client, session, messages, stream=mode) for mode in MODES}
+    folded = [numbered_calls(result.messages) for result in results.values()]
+    assert folded[0] == folded[1] == folded[2]
+    assert len({result.stop_reason for result in results.values()}) == 1
+    return results
+
+
+def tool_results(result) -> list[str]:
+    return [m["content"] for m in result.messages if m["role"] == "tool"]
+
+
+# --- discovery and configuration ---------------------------------------------------------------
+
+
+def test_meta_lists_the_acp_tool_kinds_as_server_tools(client):
+    agents = {a["name"]: a for a in client.meta()["agents"]}
+    info = agents["acp-fake"]
+    assert [tool["name"] for tool in info["tools"]] == TOOL_KINDS
+    assert "application" not in info["capabilities"]
+    assert OPERATOR_SECRET not in str(info)
+
+
+def test_an_invalid_runtime_configuration_is_refused_with_a_sentence(pg, tmp_path):
+    path = tmp_path / "bad.yaml"
+    bad = fake_agent("acp-bad")
+    bad["runtime"]["config"]["options"] = {"apiKey": {"argv": "--key"}}
+    path.write_text(yaml.safe_dump({"agents": [bad]}))
+    with pytest.raises(RuntimeError, match="Runtime configuration for 'acp' is invalid at 'options/apiKey'"):
+        pg.manage("apply_agents", str(path))
+
+
+# --- the event mapping -------------------------------------------------------------------------
+
+
+def test_text_and_thoughts_stream_in_every_mode(client):
+    session = session_of(client)
+    results = same_turn_in_every_mode(client, session, user("/think deep waters"))
+    assert results["none"].messages == [{"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "thinking about: deep waters"},
+        {"type": "text", "text": "echo: deep waters"},
+    ]}]
+    assert deltas(results["delta"], "thinking") == ["thinking ", "about: ", "deep ", "waters"]
+    assert results["message"].names == ["turn_start", "thinking", "text", "turn_stop"]
+
+
+def test_a_tool_call_and_its_updates_become_tool_call_and_tool_result(client):
+    session = session_of(client)
+    results = same_turn_in_every_mode(client, session, user("/tool"))
+    messages = results["none"].messages
+    assert [m["role"] for m in messages] == ["assistant", "tool", "assistant"]
+    use = messages[0]["content"][0]
+    assert (use["type"], use["name"], use["input"]) == ("tool_use", "read", {"path": "README"})
+    assert messages[1] == {"role": "tool", "toolCallId": use["toolCallId"], "content": "README contents"}
+    assert messages[2] == text_reply("done")[0]
+    delta = results["delta"]
+    assert delta.names == ["turn_start", "tool_call", "tool_result", "text_delta", "turn_stop"]
+    assert delta.events[1].data["_meta"]["title"] == "Read README"
+
+
+def test_plan_and_other_updates_never_break_the_stream(client):
+    session = session_of(client)
+    results = same_turn_in_every_mode(client, session, user("/plan"))
+    assert results["none"].messages == text_reply("planned")
+    assert results["delta"].names == ["turn_start", "text_delta", "turn_stop"]
+
+
+@pytest.mark.parametrize("acp_reason, stop_reason", [
+    ("end_turn", "end_turn"), ("max_tokens", "max_tokens"), ("max_turn_requests", "max_tokens"),
+    ("refusal", "refusal"), ("cancelled", "end_turn"),
+])
+def test_prompt_stop_reasons_map_to_aap_stop_reasons(client, acp_reason, stop_reason):
+    session = session_of(client)
+    result = checked_turn(client, session, user(f"/stop {acp_reason}"), stream="delta")
+    stop = result.events[-1]
+    assert stop.data["stopReason"] == stop_reason
+    assert stop.data.get("_meta", {}).get("cancelled", False) is (acp_reason == "cancelled")
+    assert result.messages == text_reply("stopping")
+
+
+def test_options_reach_the_agent_as_config_options_and_mcp_servers_as_session_new(client):
+    session = session_of(client, options={"model": "smart"})
+    assert " model=smart " in said(client, session, "/whoami")
+    text = said(client, session, "/whoami", agent={"options": {"model": "fast"}})
+    assert " model=fast " in text and " mcp=docs " in text
+
+
+# --- permissions -------------------------------------------------------------------------------
+
+
+def test_a_trusted_kind_is_allowed_by_the_service(pg, client):
+    session = session_of(client, tools=[{"name": "edit", "trust": True}])
+    result = checked_turn(client, session, user("/write notes.txt hello there"), stream="delta")
+    assert result.stop_reason == "end_turn"
+    assert tool_results(result) == ["wrote notes.txt"]
+    assert (workspace(pg, session) / "notes.txt").read_text() == "hello there"
+
+
+def test_a_kind_the_session_did_not_enable_is_rejected(pg, client):
+    session = session_of(client, tools=[{"name": "read", "trust": True}])
+    result = checked_turn(client, session, user("/write notes.txt nope"))
+    assert result.stop_reason == "end_turn"
+    assert tool_results(result) == ["Tool call denied: tool kind 'edit' is not enabled for this session"]
+    assert result.messages[-1] == text_reply("not allowed to write notes.txt")[0]
+    assert not (workspace(pg, session) / "notes.txt").exists()
+
+
+@pytest.mark.parametrize("stream", ["none", "delta"])
+def test_an_untrusted_kind_waits_for_the_application_and_the_prompt_goes_on_in_the_next_turn(pg, client, stream):
+    session = session_of(client, tools=[{"name": "edit"}])
+    first = checked_turn(client, session, user("/write later.txt granted text"), stream=stream)
+    assert first.stop_reason == "tool_use"
+    [call] = first.tool_calls()
+    assert (call["name"], call["input"]) == ("edit", {"path": "later.txt", "content": "granted text"})
+    assert not (workspace(pg, session) / "later.txt").exists()
+    refused = client.turn(session, text="something else")
+    assert refused.status == 400 and call["toolCallId"] in refused.body["error"]
+
+    second = answer(client, session, call["toolCallId"], True, stream=stream)
+    assert second.stop_reason == "end_turn"
+    assert second.messages == [
+        {"role": "tool", "toolCallId": call["toolCallId"], "content": "wrote later.txt"},
+        *text_reply("wrote later.txt"),
+    ]
+    assert (workspace(pg, session) / "later.txt").read_text() == "granted text"
+    assert said(client, session, "next one") == "echo: next one"
+
+
+def test_a_denied_permission_is_stored_as_tool_message_and_the_agent_goes_on(pg, client):
+    session = session_of(client, tools=[{"name": "edit", "trust": False}])
+    [call] = checked_turn(client, session, user("/write no.txt x")).tool_calls()
+    second = answer(client, session, call["toolCallId"], False, reason="not today", stream="delta")
+    assert second.messages == [
+        {"role": "tool", "toolCallId": call["toolCallId"], "content": "Tool call denied: not today"},
+        *text_reply("not allowed to write no.txt"),
+    ]
+    assert not (workspace(pg, session) / "no.txt").exists()
+
+
+def test_an_unanswered_permission_is_rejected_after_the_timeout_and_recorded(pg, client):
+    session = session_of(client, "acp-quick", tools=[{"name": "edit"}])
+    [call] = checked_turn(client, session, user("/write late.txt x")).tool_calls()
+    time.sleep(5)  # past permissionTimeoutSeconds (2): the service rejects it meanwhile
+    second = answer(client, session, call["toolCallId"], True)
+    assert second.messages == [
+        {"role": "tool", "toolCallId": call["toolCallId"], "content": "Tool call denied: no answer within 2 seconds"},
+        *text_reply("not allowed to write late.txt"),
+    ]
+    assert not (workspace(pg, session) / "late.txt").exists()
+
+
+# --- the client methods: files, terminals, anything else -----------------------------------------
+
+
+def test_file_access_outside_the_workspace_is_refused(pg, client, tmp_path):
+    session = session_of(client, tools=[{"name": "edit", "trust": True}])
+    said(client, session, "/write inside.txt hello")
+    home = workspace(pg, session)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret outside")
+    (home / "link.txt").symlink_to(outside)
+    (home / "linkdir").symlink_to(tmp_path, target_is_directory=True)
+
+    assert said(client, session, "/read inside.txt") == "read: hello"
+    assert said(client, session, f"/readraw {home}/sub/../inside.txt") == "read failed: -32602"
+    for path in ("../inside.txt", str(outside), "link.txt", "linkdir/outside.txt"):
+        assert said(client, session, f"/read {path}") == "read failed: -32602", path
+    assert said(client, session, "/readraw inside.txt") == "read failed: -32602"  # relative
+    assert said(client, session, "/read missing.txt") == "read failed: -32002"
+    for path in (f"{home}/link.txt", f"{home}/linkdir/new.txt", f"{home}/../escaped.txt"):
+        assert said(client, session, f"/writeraw {path} pwned") == "write failed: -32602", path
+    assert outside.read_text() == "secret outside"
+    assert not (tmp_path / "new.txt").exists() and not (home.parent / "escaped.txt").exists()
+
+
+def test_two_tenants_sessions_never_see_each_others_workspace(pg, client):
+    other = pg.client("other")
+    try:
+        mine = session_of(client, tools=[{"name": "edit", "trust": True}])
+        theirs = session_of(other, tools=[{"name": "edit", "trust": True}])
+        said(client, mine, "/write private.txt only demo")
+        said(other, theirs, "/write private.txt only other")
+        assert said(client, mine, "/read private.txt") == "read: only demo"
+        assert said(other, theirs, "/read private.txt") == "read: only other"
+        assert said(other, theirs, f"/read {workspace(pg, mine)}/private.txt") == "read failed: -32602"
+        assert said(client, mine, f"/read {workspace(pg, theirs, 'other')}/private.txt") == "read failed: -32602"
+        assert said(client, mine, "/pid") != said(other, theirs, "/pid")  # never one process for two tenants
+    finally:
+        other.close()
+
+
+def test_terminals_are_off_unless_the_operator_enables_them(pg, client):
+    off = session_of(client)
+    assert said(client, off, "/terminal pwd") == "terminal failed: -32601"
+    on = session_of(client, "acp-terminal")
+    assert said(client, on, "/terminal pwd") == f"exit=0 output={workspace(pg, on)}"
+    assert said(client, on, "/terminal sleep 30") == "exit=None output="  # killed at terminalTimeoutSeconds
+
+
+def test_an_unknown_client_method_is_method_not_found_and_the_turn_goes_on(client):
+    session = session_of(client)
+    assert said(client, session, "/unknown") == "unknown method error -32601; still here"
+
+
+# --- failures, cancel, lifecycle -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["/hang", "/exit", "/garbage"])
+def test_a_hung_exited_or_garbage_writing_agent_ends_the_turn_with_error_and_the_next_turn_works(client, command):
+    session = session_of(client, "acp-quick")
+    before = agent_pid(client, session)
+    failed = checked_turn(client, session, user(command), stream="delta")
+    stop = failed.events[-1].data
+    assert stop["stopReason"] == "error"
+    assert stop["_meta"]["error"].startswith("The agent ")
+    assert said(client, session, "back again") == "echo: back again"
+    assert agent_pid(client, session) != before
+
+
+def test_sigkill_of_the_agent_mid_turn_gives_error_and_a_working_next_turn(pg, client):
+    session = session_of(client)
+    pid = agent_pid(client, session)
+    live = LiveTurn.turn(pg, session, "/slow 100 200", stream="delta")
+    live.wait_for(lambda l: any(e.event == "text_delta" for e in l.events), what="the first tick")
+    os.kill(pid, signal.SIGKILL)
+    result = live.wait_end().result()
+    assert result.events[-1].data["stopReason"] == "error"
+    assert "exited" in result.events[-1].data["_meta"]["error"]
+    assert client.history(session)[-len(result.messages):] == result.messages
+    assert said(client, session, "/pid") != f"pid={pid}"
+
+
+def test_cancel_sends_session_cancel_and_the_turn_ends_cancelled(pg, client):
+    session = session_of(client)
+    pid = agent_pid(client, session)
+    live = LiveTurn.turn(pg, session, "/slow 100 200", stream="delta")
+    live.wait_for(lambda l: len(deltas(l)) >= 2, what="two ticks")
+    response = client.post(f"/v1/sessions/{session}/turns/{live.turn_id}/cancel")
+    assert response.status_code == 202
+    result = live.wait_end().result()
+    stop = result.events[-1].data
+    assert stop["stopReason"] == "end_turn" and stop["_meta"]["cancelled"] is True
+    ticks = deltas(result)
+    assert 2 <= len(ticks) < 100
+    assert client.history(session)[-1] == text_reply("".join(ticks))[0]
+    assert agent_pid(client, session) == pid  # the agent stopped the prompt; nothing was killed
+
+
+def test_session_delete_removes_the_workspace_and_drops_a_waiting_prompt(pg, client):
+    session = session_of(client, tools=[{"name": "edit"}])
+    pid = agent_pid(client, session)
+    assert checked_turn(client, session, user("/write gone.txt x")).stop_reason == "tool_use"
+    home = workspace(pg, session)
+    assert home.is_dir()
+    assert client.delete(f"/v1/sessions/{session}").status_code == 204
+    assert not home.exists()
+    other = session_of(client)
+    assert agent_pid(client, other) == pid  # the shared process lives on for other sessions
+    assert not home.exists()
+
+
+def test_secret_options_reach_only_the_process_environment(pg, client, log_dir, db_access):
+    secret = "sk-app-secret-" + os.urandom(6).hex()
+    session = session_of(client, options={"apiKey": secret})
+    result = client.turn(session, text="/env FAKE_API_KEY", stream="delta")
+    assert result.messages == text_reply(f"FAKE_API_KEY={hashlib.sha256(secret.encode()).hexdigest()[:12]}")
+    pid = agent_pid(client, session)
+    assert secret.encode() in Path(f"/proc/{pid}/environ").read_bytes()
+    assert secret.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert secret not in result.raw.decode()
+    assert secret not in str(client.history(session))
+    assert client.get(f"/v1/sessions/{session}").json()["agent"]["options"]["apiKey"] == "***"
+    for path in log_dir.iterdir():
+        assert secret not in path.read_text(errors="replace"), path.name
+    from sessions_app.models import Message
+
+    assert not Message.objects.filter(data__contains=secret).exists()
+
+
+def test_the_agent_session_is_loaded_again_after_a_process_restart(client):
+    session = session_of(client, "acp-loader")
+    first = said(client, session, "/whoami")
+    acp_session = re.search(r"session=(\S+)", first).group(1)
+    assert " loaded=False " in first
+    assert client.turn(session, text="/exit").stop_reason == "error"
+    again = said(client, session, "/whoami")
+    assert f"session={acp_session} " in again and " loaded=True " in again
+    assert "(replayed" not in str(client.history(session))  # the load's replay is not a turn
+
+
+def test_an_idle_agent_process_is_reaped_and_started_again_on_demand(client):
+    session = session_of(client, "acp-loader")
+    pid = agent_pid(client, session)
+    wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=60, message="the idle agent to be reaped")
+    assert agent_pid(client, session) != pid
+
+
+def test_an_image_reaches_an_agent_that_accepts_images(client):
+    session = session_of(client)
+    content = [{"type": "text", "text": "look"}, {"type": "image", "url": "data:image/png;base64,iVBORw0KGgo="}]
+    result = checked_turn(client, session, [{"role": "user", "content": content}])
+    assert result.messages == text_reply("echo: look [images: 1]")
+
+
+# --- the embedded mode ---------------------------------------------------------------------------
+
+
+def test_a_basic_turn_works_on_both_stacks(stack, tmp_path_factory):
+    with_agents(stack, tmp_path_factory)
+    client = stack.client()
+    try:
+        session = session_of(client, tools=[{"name": "edit", "trust": True}])
+        result = checked_turn(client, session, user("/write hello.txt from acp"), stream="delta")
+        assert result.stop_reason == "end_turn"
+        assert (workspace(stack, session) / "hello.txt").read_text() == "from acp"
+        assert said(client, session, "hi") == "echo: hi"
+    finally:
+        client.close()
