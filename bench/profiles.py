@@ -1,0 +1,89 @@
+"""How long and how large each scenario runs: `quick` (make bench, < 3 minutes on 2 cores),
+`full` (FULL=1) and `smoke` (--smoke: a second or two each, to check the harness itself)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    warmup: float = 0.5
+    # 1: session create
+    create_concurrency: tuple[int, ...] = (1, 8, 32)
+    create_seconds: float = 3.0
+    # 2: echo turns, stream none
+    turn_concurrency: tuple[int, ...] = (1, 8, 32, 64)
+    turn_seconds: float = 4.0
+    inproc_seconds: float = 2.0
+    workers: int = 2
+    # Threads per worker: each keeps a PostgreSQL connection, and the server may be shared.
+    worker_concurrency: int = int(os.environ.get("BENCH_WORKER_CONCURRENCY", "6"))
+    # 3: time to first byte
+    ttfb_clients: int = 32
+    ttfb_seconds: float = 4.0
+    # 4: relay latency
+    relay_clients: int = 8
+    relay_seconds: float = 4.0
+    relay_ticks: int = 20
+    relay_tick_ms: int = 25
+    # 5: open streams
+    stream_steps: tuple[int, ...] = (250, 500, 1000)
+    stream_tick_ms: int = 500
+    stream_window: float = 5.0
+    stream_budget: float = 60.0
+    stream_open_parallel: int = 64
+    # 6: history growth
+    history_lengths: tuple[int, ...] = (10, 1000, 10000)
+    history_turns: int = 8
+    # 7: openai runtime against the fake server
+    llm_turns: int = 5
+    llm_tokens: int = 200
+    llm_delay_ms: float = 5.0
+
+
+QUICK = Profile("quick")
+
+FULL = replace(
+    QUICK,
+    name="full",
+    warmup=1.0,
+    create_seconds=10.0,
+    turn_seconds=15.0,
+    inproc_seconds=8.0,
+    ttfb_seconds=15.0,
+    relay_clients=16,
+    relay_seconds=15.0,
+    stream_steps=(250, 500, 1000, 2000, 3000, 4000, 5000),
+    stream_window=15.0,
+    stream_budget=600.0,
+    history_turns=30,
+    llm_turns=20,
+)
+
+SMOKE = replace(
+    QUICK,
+    name="smoke",
+    warmup=0.2,
+    create_concurrency=(1, 8),
+    create_seconds=1.0,
+    turn_concurrency=(1, 8),
+    turn_seconds=1.0,
+    inproc_seconds=0.5,
+    ttfb_clients=8,
+    ttfb_seconds=1.0,
+    relay_clients=2,
+    relay_seconds=1.0,
+    relay_ticks=5,
+    relay_tick_ms=20,
+    stream_steps=(20, 50),
+    stream_window=2.0,
+    stream_budget=30.0,
+    history_lengths=(10, 100, 1000),
+    history_turns=2,
+    llm_turns=2,
+)
+
+PROFILES = {p.name: p for p in (QUICK, FULL, SMOKE)}
