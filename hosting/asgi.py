@@ -1,7 +1,7 @@
 """ASGI entry point: Channels' protocol router in front of Django, served by Daphne.
 
-HTTP goes to Django; turn streams are async responses on the event loop (no thread per
-open stream). Static files (admin) are served here too, for a self-contained deployment.
+HTTP goes to Django; a turn's stream is handed off by its view to TurnStreamHandoff, which
+writes it from the event loop (no thread and no database connection per open stream). Static files (admin) are served here too, for a self-contained deployment.
 """
 
 import os
@@ -14,4 +14,6 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 
 django_asgi = get_asgi_application()
 
-application = ProtocolTypeRouter({"http": ASGIStaticFilesHandler(django_asgi)})
+from sessions_app.streaming import TurnStreamHandoff  # noqa: E402  (needs Django set up)
+
+application = ProtocolTypeRouter({"http": TurnStreamHandoff(ASGIStaticFilesHandler(django_asgi))})

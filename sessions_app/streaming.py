@@ -7,11 +7,12 @@ is still alive, ending a lost one with `error` (services.turn_recover_if_lost).
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.http import StreamingHttpResponse
+from django.http import HttpResponse
 
 from . import events, services
 from .protocol import SSE_PING, dumps, event_data, fold, sse_frame
@@ -66,12 +67,72 @@ async def json_result(turn_id: str):
     yield dumps(body).encode()
 
 
-def turn_response(turn_id: str, mode: str, *, after: int = 0) -> StreamingHttpResponse:
-    if mode == "none":
-        response = StreamingHttpResponse(json_result(turn_id), content_type="application/json")
-    else:
-        response = StreamingHttpResponse(sse_stream(turn_id, after), content_type="text/event-stream")
+# The view answers with this internal header instead of a body; TurnStreamHandoff (the ASGI
+# layer in front of Django) strips it and streams the turn itself. Django's request (its
+# thread and database connection) is over by then, so an open stream costs neither.
+HANDOFF_HEADER = "X-AAP-Turn-Stream"
+
+
+def turn_response(turn_id: str, mode: str, *, after: int = 0) -> HttpResponse:
+    response = HttpResponse(content_type="application/json" if mode == "none" else "text/event-stream")
+    if mode != "none":
         response["X-Accel-Buffering"] = "no"
     response["Cache-Control"] = "no-cache"
     response["AAP-Turn-Id"] = turn_id
+    response[HANDOFF_HEADER] = f"{turn_id} {mode} {after}"
     return response
+
+
+class TurnStreamHandoff:
+    """ASGI middleware: when a view hands a turn over (HANDOFF_HEADER), send the response
+    head without that header, then the turn's body from the event stream, until its end or
+    until the client disconnects (the turn itself goes on)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        marker = HANDOFF_HEADER.lower().encode()
+        handoff: dict = {}
+
+        async def capture(message):
+            if message["type"] == "http.response.start":
+                headers = message.get("headers", [])
+                value = next((v for k, v in headers if k.lower() == marker), None)
+                if value is not None:
+                    kept = [(k, v) for k, v in headers if k.lower() not in (marker, b"content-length")]
+                    handoff.update(start={**message, "headers": kept}, spec=value.decode())
+                    return
+            elif handoff:
+                return  # the view's empty body
+            await send(message)
+
+        await self.app(scope, receive, capture)
+        if handoff:
+            await self._stream(handoff, receive, send)
+
+    async def _stream(self, handoff: dict, receive, send) -> None:
+        turn_id, mode, after = handoff["spec"].split(" ")
+        body = json_result(turn_id) if mode == "none" else sse_stream(turn_id, int(after))
+        await send(handoff["start"])
+
+        async def pump():
+            async for chunk in body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def disconnected():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        streaming = asyncio.ensure_future(pump())
+        watching = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, watching):
+                task.cancel()
+            await asyncio.gather(streaming, watching, return_exceptions=True)
+            await body.aclose()

@@ -1,7 +1,6 @@
 """AAP v3 endpoints. Thin: validate with a protocol serializer, call one service, answer."""
 
 from django.conf import settings
-from django.db import connection
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
@@ -117,7 +116,6 @@ class TurnsView(APIView):
     def post(self, request, session_id):
         data = _validated(protocol.TurnRequestSerializer, request.data)
         turn = services.turn_start(tenant=request.user.tenant, session_id=session_id, data=data)
-        connection.close()  # the stream may stay open for minutes: release the connection now
         return turn_response(turn.id, turn.stream)
 
 
@@ -152,7 +150,6 @@ class TurnEventsView(APIView):
             if kept[-1][1].get("event") == "turn_stop" and kept[-1][0] <= after:
                 # The reader has everything: 204 tells an EventSource to stop reconnecting.
                 return Response(status=status.HTTP_204_NO_CONTENT)
-        connection.close()
         return turn_response(turn.id, "delta" if turn.stream == "delta" else "message", after=after)
 
 
