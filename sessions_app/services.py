@@ -427,13 +427,11 @@ def _plan(turn: Turn, session: Session) -> tuple[host.TurnPlan, list[tuple[int, 
 def turn_execute(turn_id: str) -> None:
     """Run a queued turn to its end and persist it. Safe to call twice (the second is a no-op)."""
     backend = events.backend()
-    with transaction.atomic():
-        turn = Turn.objects.select_for_update().filter(id=turn_id, status=Turn.QUEUED).first()
-        if turn is None:
-            return
-        backend.set_lease_sync(turn_id)
-        turn.status, turn.started_at = Turn.RUNNING, timezone.now()
-        turn.save(update_fields=["status", "started_at"])
+    backend.set_lease_sync(turn_id)  # before the claim, so a running turn always has a lease
+    # One conditional UPDATE claims the turn: a second delivery of the task finds nothing to do.
+    if not Turn.objects.filter(id=turn_id, status=Turn.QUEUED).update(status=Turn.RUNNING, started_at=timezone.now()):
+        return
+    turn = Turn.objects.get(id=turn_id)
     session = (
         Session.objects.select_related("agent", "tenant")
         .prefetch_related("agent__options", "agent__server_tools")
@@ -444,6 +442,7 @@ def turn_execute(turn_id: str) -> None:
         return
     try:
         plan, compacted = _plan(turn, session)
+        backend.set_lease_sync(turn_id)  # preparing may have taken a while; the host renews it from here
     except Exception as exc:
         logger.error("turn %s could not be prepared: %s", turn_id, type(exc).__name__)
         outcome = host.TurnOutcome(
