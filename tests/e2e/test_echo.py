@@ -14,13 +14,6 @@ from .turns import (
 PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 
 
-@pytest.fixture
-def client(stack):
-    client = stack.client()
-    yield client
-    client.close()
-
-
 def test_plain_message_is_echoed_word_by_word(client):
     session = client.create_session("echo")
     results = same_turn_in_every_mode(client, session, user("hello  there world"))

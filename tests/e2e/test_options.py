@@ -16,13 +16,6 @@ def fingerprint(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()[:8]
 
 
-@pytest.fixture
-def client(stack):
-    client = stack.client()
-    yield client
-    client.close()
-
-
 def session_info(client, session: str) -> dict:
     response = client.get(f"/v1/sessions/{session}")
     assert response.status_code == 200, response.text

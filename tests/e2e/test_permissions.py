@@ -11,13 +11,6 @@ from .turns import (
 )
 
 
-@pytest.fixture
-def client(stack):
-    client = stack.client()
-    yield client
-    client.close()
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_granted_permission_runs_the_tool_and_streams_its_result(client, mode):
     session = new_session(client, server_tools=[{"name": "add"}])

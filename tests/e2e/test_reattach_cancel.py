@@ -14,13 +14,6 @@ from ..support import fold_events
 from .turns import LiveTurn, assert_sse_shape, checked_turn, text_reply, user, wait_until
 
 
-@pytest.fixture
-def client(stack):
-    client = stack.client()
-    yield client
-    client.close()
-
-
 def ticks(n: int) -> str:
     return "".join(f"tick {i} " for i in range(1, n + 1))
 

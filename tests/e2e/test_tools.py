@@ -11,13 +11,6 @@ from .turns import (
 )
 
 
-@pytest.fixture
-def client(stack):
-    client = stack.client()
-    yield client
-    client.close()
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_client_tool_round_trip(client, mode):
     session = new_session(client, tools=[CLIENT_TOOL])
