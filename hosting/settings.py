@@ -149,6 +149,8 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # Without REDIS_URL the web process runs turns itself in background threads with an
 # in-process event stream (the embedded mode of `make run`).
 REDIS_URL = os.environ.get("REDIS_URL", "")
+# Redis connections per process and event loop (callers wait for a free one beyond it).
+REDIS_POOL_MAX = env_int("REDIS_POOL_MAX", 50)
 CELERY_BROKER_URL = REDIS_URL or "memory://"
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = False

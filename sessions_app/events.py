@@ -13,6 +13,7 @@ session or its history, which live in PostgreSQL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -40,14 +41,92 @@ def _cancel_key(turn_id: str) -> str:
     return f"aap:cancel:{turn_id}"
 
 
+def _notify_channel(turn_id: str) -> str:
+    return f"aap:evn:{turn_id}"
+
+
+class _NotifyHub:
+    """One Redis pub/sub connection per event loop wakes every follower of this process.
+
+    Followers do not hold a connection each: a follower subscribes its turn's channel here,
+    waits for the subscription to be confirmed (so nothing published afterwards is missed),
+    then reads new events with a short XRANGE whenever it is woken.
+    """
+
+    IDLE_CHANNEL = "aap:evn:-"  # keeps the pub/sub connection open with no follower
+
+    def __init__(self, client):
+        self.pubsub = client.pubsub()
+        self.wakers: dict[str, set[asyncio.Event]] = {}
+        self.confirmed: dict[str, asyncio.Future] = {}
+        self.reader: asyncio.Task | None = None
+
+    @contextlib.asynccontextmanager
+    async def watch(self, channel: str):
+        wake = asyncio.Event()
+        first = channel not in self.wakers
+        self.wakers.setdefault(channel, set()).add(wake)
+        try:
+            if first:
+                self.confirmed[channel] = asyncio.get_running_loop().create_future()
+                await self._ensure_reader()
+                await self.pubsub.subscribe(channel)
+            await asyncio.wait_for(asyncio.shield(self.confirmed[channel]), 10)
+            yield wake
+        finally:
+            waiters = self.wakers.get(channel)
+            if waiters is not None:
+                waiters.discard(wake)
+                if not waiters:
+                    del self.wakers[channel]
+                    self.confirmed.pop(channel, None)
+                    with contextlib.suppress(Exception):
+                        await self.pubsub.unsubscribe(channel)
+
+    async def _ensure_reader(self) -> None:
+        if self.reader is None or self.reader.done():
+            await self.pubsub.subscribe(self.IDLE_CHANNEL)
+            self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                message = await self.pubsub.get_message(timeout=30.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # redis-py reconnects and resubscribes on the next call
+                logger.warning("event notifications lost Redis (%s); reconnecting", type(exc).__name__)
+                for waiters in self.wakers.values():
+                    for wake in waiters:
+                        wake.set()  # followers re-read the stream: nothing is lost meanwhile
+                await asyncio.sleep(0.5)
+                continue
+            if not message:
+                continue
+            channel = message["channel"]
+            if message["type"] == "subscribe":
+                future = self.confirmed.get(channel)
+                if future is not None and not future.done():
+                    future.set_result(None)
+            elif message["type"] == "message":
+                for wake in self.wakers.get(channel, ()):
+                    wake.set()
+
+
 class RedisEvents:
     def __init__(self, url: str):
         import redis
 
         self.url = url
-        # redis-py 8 times reads out after 5 s by default; blocking reads wait longer than that.
-        self.sync = redis.Redis.from_url(url, decode_responses=True, socket_timeout=30, socket_connect_timeout=5)
+        # Blocking pools: a burst of turns waits for a free connection instead of failing.
+        self.sync = redis.Redis(
+            connection_pool=redis.BlockingConnectionPool.from_url(
+                url, max_connections=settings.REDIS_POOL_MAX, timeout=30,
+                decode_responses=True, socket_timeout=30, socket_connect_timeout=5,
+            )
+        )
         self._async: dict[asyncio.AbstractEventLoop, object] = {}
+        self._hubs: dict[asyncio.AbstractEventLoop, _NotifyHub] = {}
         self._lock = threading.Lock()
 
     def aclient(self):
@@ -60,8 +139,12 @@ class RedisEvents:
             with self._lock:
                 client = self._async.get(loop)
                 if client is None:
-                    client = aredis.Redis.from_url(
-                        self.url, decode_responses=True, socket_timeout=None, socket_connect_timeout=5
+                    # No read timeout: redis-py 8 would otherwise give up on a read after 5 s.
+                    client = aredis.Redis(
+                        connection_pool=aredis.BlockingConnectionPool.from_url(
+                            self.url, max_connections=settings.REDIS_POOL_MAX, timeout=30,
+                            decode_responses=True, socket_timeout=None, socket_connect_timeout=5,
+                        )
                     )
                     self._async[loop] = client
         return client
@@ -71,19 +154,29 @@ class RedisEvents:
         pipe = self.aclient().pipeline(transaction=False)
         for seq, event in batch:
             pipe.xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
+        pipe.publish(_notify_channel(turn_id), batch[-1][0])
         await pipe.execute()
 
     def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
         pipe = self.sync.pipeline(transaction=False)
         pipe.xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
         pipe.expire(_stream_key(turn_id), settings.AAP_EVENT_RETENTION_SECONDS if final else LIVE_STREAM_TTL)
+        pipe.publish(_notify_channel(turn_id), seq)
         pipe.execute()
 
-    async def read(self, turn_id: str, after: int, block_seconds: float) -> list[tuple[int, dict]]:
-        reply = await self.aclient().xread(
-            {_stream_key(turn_id): f"0-{after}"}, block=max(1, int(block_seconds * 1000)), count=500
-        )
-        return [(int(entry_id.split("-")[1]), json.loads(fields["e"])) for _, entries in reply or [] for entry_id, fields in entries]
+    async def read_now(self, turn_id: str, after: int) -> list[tuple[int, dict]]:
+        entries = await self.aclient().xrange(_stream_key(turn_id), min=f"(0-{after}", max="+", count=500)
+        return [(int(entry_id.split("-")[1]), json.loads(fields["e"])) for entry_id, fields in entries]
+
+    def watch(self, turn_id: str):
+        """An async context giving an asyncio.Event set whenever the turn has new events."""
+        loop = asyncio.get_running_loop()
+        hub = self._hubs.get(loop)
+        if hub is None:
+            client = self.aclient()
+            with self._lock:
+                hub = self._hubs.setdefault(loop, _NotifyHub(client))
+        return hub.watch(_notify_channel(turn_id))
 
     def read_all_sync(self, turn_id: str) -> list[tuple[int, dict]]:
         entries = self.sync.xrange(_stream_key(turn_id))
@@ -140,7 +233,7 @@ class _MemoryLog:
 
     def __init__(self):
         self.events: list[tuple[int, dict]] = []
-        self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self.expires_at: float | None = None
 
 
@@ -174,29 +267,31 @@ class MemoryEvents:
             if final:
                 log.expires_at = time.monotonic() + settings.AAP_EVENT_RETENTION_SECONDS
                 self._prune()
-            waiters, log.waiters = log.waiters, []
-        for loop, future in waiters:
-            loop.call_soon_threadsafe(_wake, future)
+            waiters = list(log.waiters)
+        for loop, wake in waiters:
+            loop.call_soon_threadsafe(wake.set)
 
     async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]]) -> None:
         for seq, event in batch:
             self.publish_sync(turn_id, seq, event)
 
-    async def read(self, turn_id: str, after: int, block_seconds: float) -> list[tuple[int, dict]]:
-        loop = asyncio.get_running_loop()
+    async def read_now(self, turn_id: str, after: int) -> list[tuple[int, dict]]:
         with self._lock:
-            log = self._log(turn_id)
-            items = [item for item in log.events if item[0] > after]
-            if items:
-                return items
-            future = loop.create_future()
-            log.waiters.append((loop, future))
+            log = self._logs.get(turn_id)
+            return [item for item in log.events if item[0] > after] if log else []
+
+    @contextlib.asynccontextmanager
+    async def watch(self, turn_id: str):
+        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        with self._lock:
+            self._log(turn_id).waiters.append(waiter)
         try:
-            await asyncio.wait_for(future, block_seconds)
-        except TimeoutError:
-            return []
-        with self._lock:
-            return [item for item in self._log(turn_id).events if item[0] > after]
+            yield waiter[1]
+        finally:
+            with self._lock:
+                log = self._logs.get(turn_id)
+                if log is not None and waiter in log.waiters:
+                    log.waiters.remove(waiter)
 
     def read_all_sync(self, turn_id: str) -> list[tuple[int, dict]]:
         with self._lock:
@@ -236,11 +331,6 @@ class MemoryEvents:
         return None
 
 
-def _wake(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 @cache
 def backend() -> RedisEvents | MemoryEvents:
     return RedisEvents(settings.REDIS_URL) if settings.REDIS_URL else MemoryEvents()
@@ -267,17 +357,22 @@ async def follow(turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0) ->
         last = await events.last(turn_id)
         return last is not None and last[0] <= after and last[1].get("event") == "turn_stop"
 
-    if after and await reader_has_the_stop():
-        return
-    while True:
-        items = await events.read(turn_id, after, quiet_seconds)
-        if not items:
-            if after and await reader_has_the_stop():
-                return
-            yield QUIET
-            continue
-        for seq, event in items:
-            after = seq
-            yield seq, event
-            if event.get("event") == "turn_stop":
-                return
+    async with events.watch(turn_id) as wake:
+        if after and await reader_has_the_stop():
+            return
+        while True:
+            wake.clear()  # before reading: a notification during the read is not lost
+            items = await events.read_now(turn_id, after)
+            if not items:
+                try:
+                    await asyncio.wait_for(wake.wait(), quiet_seconds)
+                except TimeoutError:
+                    if after and await reader_has_the_stop():
+                        return
+                    yield QUIET
+                continue
+            for seq, event in items:
+                after = seq
+                yield seq, event
+                if event.get("event") == "turn_stop":
+                    return

@@ -141,7 +141,10 @@ class _Publisher:
     async def _flush(self) -> None:
         while self._queue:
             batch, self._queue = self._queue, []
-            await self.backend.publish_many(self.turn_id, batch)
+            try:
+                await self.backend.publish_many(self.turn_id, batch)
+            except Exception as exc:  # a live view can miss events; history cannot
+                logger.warning("publishing events of %s failed: %s", self.turn_id, type(exc).__name__)
 
     async def emit(self, event: dict) -> None:
         self.produced.append(event)
