@@ -125,7 +125,7 @@ def main() -> int:
         "elapsed_seconds": round(elapsed, 1),
         "machine": machine(),
         "services": service_versions(stack.database_url, stack.redis_url),
-        "config": {"profile": asdict(profile), "streams_via": os.environ.get("BENCH_STREAMS_VIA", "runner"),
+        "config": {"profile": asdict(profile), 
                    "fd_limit": fd_limit},
         "details": bench.details,
         "rows": rows,

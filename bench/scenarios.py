@@ -20,7 +20,6 @@ from .report import Row
 from .stack import ROOT, BenchStack, cpu_seconds, rss_kib, threads
 
 MS = 1000.0
-RUNNER_DB_THREADS = int(os.environ.get("BENCH_RUNNER_DB_THREADS", "4"))
 PG_WAIT_SECONDS = float(os.environ.get("BENCH_PG_WAIT_SECONDS", "15"))
 
 
@@ -99,7 +98,10 @@ class Bench:
         """Why `concurrent_requests` requests in flight would crowd PostgreSQL out, or ''.
 
         Waits up to PG_WAIT_SECONDS for others to free connections before giving up."""
-        holders = self.p.workers * self.p.worker_concurrency if holders is None else holders
+        # Each process draws from its own pool of at most DATABASE_POOL_MAX connections.
+        pool = int(os.environ.get("DATABASE_POOL_MAX", "20"))
+        holders = self.p.workers * min(self.p.worker_concurrency, pool) if holders is None else holders
+        concurrent_requests = min(concurrent_requests, pool)
         need = concurrent_requests + holders + 5
         deadline = min(time.monotonic() + PG_WAIT_SECONDS, self.deadline)
         while True:
@@ -107,8 +109,8 @@ class Bench:
             if need <= room:
                 return ""
             if time.monotonic() >= deadline:
-                return (f"needs ~{need} PostgreSQL connections ({concurrent_requests} in Daphne, one per request "
-                        f"in flight, + {holders} held by workers); the shared server had room for {room}")
+                return (f"needs ~{need} PostgreSQL connections ({concurrent_requests} from Daphne's pool "
+                        f"+ {holders} held by workers); the shared server had room for {room}")
             await asyncio.sleep(1.0)
 
     def add(self, row: Row) -> Row:
@@ -344,22 +346,12 @@ class Bench:
 
     async def open_streams(self, deadline: float) -> None:
         """Step K up; the largest K whose every stream delivers each tick ≤ 100 ms after emission."""
-        via = os.environ.get("BENCH_STREAMS_VIA", "runner")
         steps = list(self.p.stream_steps)
-        self.stack.stop_workers()  # their idle connections count against the database's room
-        await asyncio.sleep(0.5)
-        cap, why_cap = self._stream_capacity(via, max(steps))
-        if cap < max(steps):
-            steps = [k for k in steps if k < cap] + [cap]
-        if why_cap:
-            self.log(f"    open streams: {why_cap}")
-        if via == "celery":
-            self.stack.start_workers(self.p.workers, math.ceil(max(steps) / self.p.workers) + 4)
-            source = f"{self.p.workers} Celery workers (threads pool)"
-        else:
-            for i in range(self.p.workers):
-                self.stack.start_process(f"turn-runner-{i}", [sys.executable, "-m", "bench.turn_runner"])
-            source = f"{self.p.workers} bench turn runners (bench/turn_runner.py)"
+        why_cap = ""
+        # Workers with a thread for every stream's turn (a waiting turn holds no DB connection).
+        self.stack.stop_workers()
+        self.stack.start_workers(self.p.workers, math.ceil(max(steps) / self.p.workers) + 4)
+        source = f"{self.p.workers} Celery workers (threads pool)"
         await asyncio.sleep(1.0)
         daphne = self.stack.web.pid
         baseline = rss_kib(daphne)
@@ -405,31 +397,6 @@ class Bench:
                          target="≤ 100 KB", met=(best_memory <= 100) if enough else None,
                          note="(peak RSS during the window − RSS before the first step) ÷ K"
                               + ("" if enough else "; too few streams to judge")))
-        if via != "celery":
-            for proc in list(self.stack.others):
-                if proc.args[-1] == "bench.turn_runner":
-                    self.stack._stop(proc)
-
-    def _stream_capacity(self, via: str, wanted: int) -> tuple[int, str]:
-        """The largest K this machine's shared services allow without starving others."""
-        import redis
-
-        notes = []
-        cap = wanted
-        info = redis.Redis.from_url(self.stack.redis_url).info("clients")
-        # Daphne holds one Redis connection per open stream (a blocking XREAD each).
-        room = int((info["maxclients"] - info["connected_clients"] - 500) / 1.2)
-        if room < cap:
-            cap, notes = room, notes + [f"Redis maxclients leaves room for ~{room} streams"]
-        # Daphne holds a PostgreSQL connection per open stream; a Celery threads-pool worker
-        # another per running turn; the bench turn runners a few in all.
-        room = self.pg_room() - 5
-        room = room // 2 if via == "celery" else room - self.p.workers * RUNNER_DB_THREADS
-        if room < cap:
-            per = "2 (Daphne + Celery)" if via == "celery" else "1 (in Daphne)"
-            cap, notes = room, notes + [
-                f"capped at {room} by the shared PostgreSQL: each open stream holds {per} connection(s)"]
-        return max(cap, 1), "; ".join(notes)
 
     async def _ensure_sessions(self, sessions: list[str], k: int) -> None:
         missing = k - len(sessions)
