@@ -161,14 +161,8 @@ class BenchStack:
         )
 
     def start_web(self, wait: bool = True) -> None:
-        # Under ASGI each request gets a new database connection whatever CONN_MAX_AGE says, and
-        # with a max age > 0 those connections are never closed (they pile up until PostgreSQL
-        # refuses everyone); 0 closes each at the end of its request. BENCH_WEB_CONN_MAX_AGE=60
-        # measures the shipped default instead.
-        env = {**self.env, "DATABASE_CONN_MAX_AGE": os.environ.get("BENCH_WEB_CONN_MAX_AGE", "0")}
         self.web = self._spawn(
             "daphne", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "hosting.asgi:application"],
-            env=env,
         )
         if wait:
             self.wait_web()

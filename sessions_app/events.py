@@ -45,25 +45,45 @@ def _notify_channel(turn_id: str) -> str:
     return f"aap:evn:{turn_id}"
 
 
-class _NotifyHub:
-    """One Redis pub/sub connection per event loop wakes every follower of this process.
+class Watcher:
+    """A follower's inbox: events pushed as they are published, and a wake-up signal."""
 
-    Followers do not hold a connection each: a follower subscribes its turn's channel here,
-    waits for the subscription to be confirmed (so nothing published afterwards is missed),
-    then reads new events with a short XRANGE whenever it is woken.
+    __slots__ = ("wake", "pushed")
+
+    def __init__(self):
+        self.wake = asyncio.Event()
+        self.pushed: list[tuple[int, dict]] = []
+
+    def deliver(self, items: list[tuple[int, dict]]) -> None:
+        self.pushed.extend(items)
+        self.wake.set()
+
+    def take(self, after: int) -> list[tuple[int, dict]]:
+        items = [item for item in self.pushed if item[0] > after]
+        self.pushed.clear()
+        return items
+
+
+class _NotifyHub:
+    """One Redis pub/sub connection per event loop feeds every follower of this process.
+
+    Followers do not hold a connection each: a follower subscribes its turn's channel here
+    and waits for the subscription to be confirmed (so nothing published afterwards is
+    missed). Each publication carries its events, so a follower that is caught up writes
+    them at once; it reads the stream (XRANGE) only to replay or to fill a gap.
     """
 
     IDLE_CHANNEL = "aap:evn:-"  # keeps the pub/sub connection open with no follower
 
     def __init__(self, client):
         self.pubsub = client.pubsub()
-        self.wakers: dict[str, set[asyncio.Event]] = {}
+        self.wakers: dict[str, set[Watcher]] = {}
         self.confirmed: dict[str, asyncio.Future] = {}
         self.reader: asyncio.Task | None = None
 
     @contextlib.asynccontextmanager
     async def watch(self, channel: str):
-        wake = asyncio.Event()
+        wake = Watcher()
         first = channel not in self.wakers
         self.wakers.setdefault(channel, set()).add(wake)
         try:
@@ -98,7 +118,7 @@ class _NotifyHub:
                 logger.warning("event notifications lost Redis (%s); reconnecting", type(exc).__name__)
                 for waiters in self.wakers.values():
                     for wake in waiters:
-                        wake.set()  # followers re-read the stream: nothing is lost meanwhile
+                        wake.wake.set()  # followers re-read the stream: nothing is lost meanwhile
                 await asyncio.sleep(0.5)
                 continue
             if not message:
@@ -109,8 +129,11 @@ class _NotifyHub:
                 if future is not None and not future.done():
                     future.set_result(None)
             elif message["type"] == "message":
-                for wake in self.wakers.get(channel, ()):
-                    wake.set()
+                waiters = self.wakers.get(channel)
+                if waiters:
+                    items = [(seq, event) for seq, event in json.loads(message["data"])]
+                    for wake in waiters:
+                        wake.deliver(items)
 
 
 class RedisEvents:
@@ -154,14 +177,14 @@ class RedisEvents:
         pipe = self.aclient().pipeline(transaction=False)
         for seq, event in batch:
             pipe.xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
-        pipe.publish(_notify_channel(turn_id), batch[-1][0])
+        pipe.publish(_notify_channel(turn_id), json.dumps(batch))
         await pipe.execute()
 
     def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
         pipe = self.sync.pipeline(transaction=False)
         pipe.xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
         pipe.expire(_stream_key(turn_id), settings.AAP_EVENT_RETENTION_SECONDS if final else LIVE_STREAM_TTL)
-        pipe.publish(_notify_channel(turn_id), seq)
+        pipe.publish(_notify_channel(turn_id), json.dumps([(seq, event)]))
         pipe.execute()
 
     async def read_now(self, turn_id: str, after: int) -> list[tuple[int, dict]]:
@@ -169,7 +192,7 @@ class RedisEvents:
         return [(int(entry_id.split("-")[1]), json.loads(fields["e"])) for entry_id, fields in entries]
 
     def watch(self, turn_id: str):
-        """An async context giving an asyncio.Event set whenever the turn has new events."""
+        """An async context giving a Watcher that is handed the turn's new events as published."""
         loop = asyncio.get_running_loop()
         hub = self._hubs.get(loop)
         if hub is None:
@@ -233,7 +256,7 @@ class _MemoryLog:
 
     def __init__(self):
         self.events: list[tuple[int, dict]] = []
-        self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self.waiters: list[tuple[asyncio.AbstractEventLoop, Watcher]] = []
         self.expires_at: float | None = None
 
 
@@ -268,8 +291,8 @@ class MemoryEvents:
                 log.expires_at = time.monotonic() + settings.AAP_EVENT_RETENTION_SECONDS
                 self._prune()
             waiters = list(log.waiters)
-        for loop, wake in waiters:
-            loop.call_soon_threadsafe(wake.set)
+        for loop, watcher in waiters:
+            loop.call_soon_threadsafe(watcher.wake.set)
 
     async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]]) -> None:
         for seq, event in batch:
@@ -282,7 +305,7 @@ class MemoryEvents:
 
     @contextlib.asynccontextmanager
     async def watch(self, turn_id: str):
-        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        waiter = (asyncio.get_running_loop(), Watcher())
         with self._lock:
             self._log(turn_id).waiters.append(waiter)
         try:
@@ -357,15 +380,19 @@ async def follow(turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0) ->
         last = await events.last(turn_id)
         return last is not None and last[0] <= after and last[1].get("event") == "turn_stop"
 
-    async with events.watch(turn_id) as wake:
+    async with events.watch(turn_id) as watcher:
         if after and await reader_has_the_stop():
             return
+        replayed = False
         while True:
-            wake.clear()  # before reading: a notification during the read is not lost
-            items = await events.read_now(turn_id, after)
+            watcher.wake.clear()  # before reading: a publication during the read is not lost
+            items = watcher.take(after) if replayed else []
+            if not items or items[0][0] != after + 1:
+                items = await events.read_now(turn_id, after)  # replay, or fill a gap
+            replayed = True
             if not items:
                 try:
-                    await asyncio.wait_for(wake.wait(), quiet_seconds)
+                    await asyncio.wait_for(watcher.wake.wait(), quiet_seconds)
                 except TimeoutError:
                     if after and await reader_has_the_stop():
                         return
