@@ -358,7 +358,7 @@ class Bench:
         baseline_threads = threads(daphne)
         tick = self.p.stream_tick_ms / 1000
         sessions: list[str] = []
-        open_rate = 100.0  # streams opened per second; measured at each step
+        open_rate = 20.0  # streams opened per second (each is a turn POST); measured at each step
         best, best_memory, steps_done = 0, None, []
         self.details["open_streams"] = {"source": source, "daphne_rss_baseline_kib": baseline,
                                         "daphne_threads_baseline": baseline_threads, "cap": why_cap,
