@@ -129,8 +129,11 @@ def _check_stream(agent: Agent, mode: str) -> None:
 # --- history ---------------------------------------------------------------------------------
 
 
-def _append_messages(session: Session, messages: list[dict], *, turn: Turn | None = None) -> list[int]:
-    """Append messages to both histories; returns their sequence numbers."""
+def _append_messages(
+    session: Session, messages: list[dict], *, turn: Turn | None = None, compacted_from: int = 0
+) -> list[int]:
+    """Append messages to full history, and those from `compacted_from` on to compacted
+    history too; returns their sequence numbers."""
     if not messages:
         return []
     start = session.message_seq + 1
@@ -141,7 +144,8 @@ def _append_messages(session: Session, messages: list[dict], *, turn: Turn | Non
         seqs.append(seq)
         text = dumps(message)
         role = message.get("role", "")
-        for kind in (Message.FULL, Message.COMPACTED):
+        kinds = (Message.FULL, Message.COMPACTED) if offset >= compacted_from else (Message.FULL,)
+        for kind in kinds:
             rows.append(Message(session=session, kind=kind, seq=seq, role=role, data=text, turn=turn))
     Message.objects.bulk_create(rows)
     session.message_seq = start + len(messages) - 1
@@ -164,6 +168,18 @@ def _apply_compaction(session: Session, compacted: list[tuple[int, dict]], compa
             Message(session=session, kind=Message.COMPACTED, seq=first + i, role=m.get("role", ""), data=dumps(m))
             for i, m in enumerate(compaction.summary)
         )
+
+
+def _seed_compaction_start(agent: Agent, messages: list[dict]) -> int:
+    """Where a seeded history's compacted copy starts: the runtime's window, if it has one,
+    never opening on a tool result whose call was cut off."""
+    window = runtime_for(agent.runtime_kind).seed_window(agent.runtime_config or {})
+    if window is None or window >= len(messages):
+        return 0
+    start = len(messages) - window
+    while start < len(messages) and messages[start].get("role") == "tool":
+        start += 1
+    return start
 
 
 def pending_from_history(messages: list[dict], client_tools: list[dict] | None, server_refs: list[dict] | None) -> list[dict]:
@@ -207,7 +223,7 @@ def session_create(*, tenant, agent_config: dict, messages: list[dict] | None, t
         tenant=tenant, agent=agent, options=options, server_tools=server_refs, client_tools=tools
     )
     if messages:
-        _append_messages(session, messages)
+        _append_messages(session, messages, compacted_from=_seed_compaction_start(agent, messages))
         session.pending_calls = pending_from_history(messages, tools, server_refs)
         session.save(update_fields=["message_seq", "pending_calls"])
     return session

@@ -63,3 +63,23 @@ def test_full_history_keeps_everything_while_compacted_is_what_the_agent_sees(de
     assert full[-1] == {"role": "assistant", "content": [{"type": "text", "text": "echo: three"}]}
     compacted = demo.history(session, "compacted")
     assert compacted == full[-len(compacted):] and len(compacted) <= 3
+
+
+def test_a_long_seed_starts_compacted_history_at_the_agents_window(demo):
+    """echo-small keeps 3 messages: a 12-message seed is whole in full history and its last
+    3 (never opening on a cut-off tool result) in compacted history, before any turn."""
+    seed = []
+    for i in range(4):
+        seed.append({"role": "user", "content": f"question {i}"})
+        seed.append({"role": "assistant", "content": [
+            {"type": "tool_use", "toolCallId": f"c{i}", "name": "clock", "input": {}}]})
+        seed.append({"role": "tool", "toolCallId": f"c{i}", "content": f"t{i}"})
+    session = demo.create_session("echo-small", messages=seed)
+    assert demo.history(session, "full") == seed
+    # the last 3 are [user q3, assistant c3, tool c3]: kept as they are
+    assert demo.history(session, "compacted") == seed[-3:]
+    # ending [..., tool c2, user q3, assistant c3]: the window would open on "tool c2",
+    # whose call is cut off, so compacted history starts at "user q3"
+    seed_orphan = seed[:-1]
+    session = demo.create_session("echo-small", messages=seed_orphan)
+    assert demo.history(session, "compacted") == seed_orphan[-2:]

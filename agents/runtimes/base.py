@@ -167,6 +167,11 @@ class Runtime(ABC):
     async def run(self, ctx: TurnContext) -> StopReason:
         """Run one turn: emit events through ctx, return the stop reason."""
 
+    def seed_window(self, config: dict) -> int | None:
+        """How many of a seeded history's last messages the compacted history starts with
+        (None: all of them; the runtime compacts on its first turn)."""
+        return None
+
     async def on_session_deleted(self, *, session_id: str, tenant: str, config: dict) -> None:
         """Release whatever the runtime holds for a deleted session."""
 

@@ -41,6 +41,9 @@ class EchoRuntime(Runtime):
         "additionalProperties": False,
     }
 
+    def seed_window(self, config: dict) -> int | None:
+        return int(config.get("window", 20))
+
     async def run(self, ctx: TurnContext) -> StopReason:
         window = int(ctx.config.get("window", 20))
         ctx.set_compacted(Compaction(keep_last=window))
