@@ -146,3 +146,35 @@ def test_zz_no_secret_reaches_any_log(pg_stack, log_dir):
         text = path.read_text(errors="replace")
         for secret in USED_SECRETS:
             assert secret not in text, f"{secret[:10]}... appears in {path.name}"
+
+
+def test_rotate_secrets_reencrypts_with_the_new_first_key_and_old_key_can_go(demo, db_access):
+    """Key rotation: with a new key first, `rotate_secrets` re-encrypts stored secrets; the
+    service then reads them with the new key alone, and the old key no longer can."""
+    import os
+
+    import pytest
+    from cryptography.fernet import Fernet
+    from django.conf import settings
+    from django.core.management import call_command
+    from django.test import override_settings
+
+    from agents.models import AgentOption
+    from hosting.crypto import SecretDecryptionError
+    from sessions_app.models import Session
+    from sessions_app.services import effective_options
+
+    session_id = demo.create_session("echo", agent={"options": {"apiKey": "sk-rotate-me"}})
+    old_keys = list(settings.HOSTING_ENCRYPTION_KEYS)
+    new_key = Fernet.generate_key().decode()
+    # Runs inside the test's transaction: the live stack keeps its key once it rolls back.
+    with override_settings(HOSTING_ENCRYPTION_KEYS=[new_key, *old_keys]):
+        call_command("rotate_secrets", stdout=open(os.devnull, "w"))
+    session = Session.objects.select_related("agent").get(public_id=session_id)
+    stored = AgentOption.objects.get(agent__name="echo-small", name="apiKey")
+    with override_settings(HOSTING_ENCRYPTION_KEYS=[new_key]):
+        assert effective_options(session.agent, session.options)["apiKey"] == "sk-rotate-me"
+        assert stored.default_value() == "sk-small-window-default"
+    with override_settings(HOSTING_ENCRYPTION_KEYS=old_keys):
+        with pytest.raises(SecretDecryptionError):
+            stored.default_value()
