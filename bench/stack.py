@@ -19,9 +19,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
-
-from tests.support import free_port
+from tests.support import free_port, wait_for_health
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -168,17 +166,7 @@ class BenchStack:
             self.wait_web()
 
     def wait_web(self) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.web.poll() is not None:
-                raise RuntimeError(f"daphne exited:\n{self._tail('daphne')}")
-            try:
-                if httpx.get(self.base_url + "/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("daphne did not become healthy within 60 s")
+        wait_for_health(self.web, self.base_url, lambda: self._tail("daphne"))
 
     def start_workers(self, count: int, concurrency: int, wait: bool = True) -> None:
         """Start `count` Celery worker processes (threads pool) and wait until each is ready."""

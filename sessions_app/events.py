@@ -209,6 +209,10 @@ class RedisEvents:
         entries = await self.aclient().xrevrange(_stream_key(turn_id), count=1)
         return (int(entries[0][0].split("-")[1]), json.loads(entries[0][1]["e"])) if entries else None
 
+    def last_sync(self, turn_id: str) -> tuple[int, dict] | None:
+        entries = self.sync.xrevrange(_stream_key(turn_id), count=1)
+        return (int(entries[0][0].split("-")[1]), json.loads(entries[0][1]["e"])) if entries else None
+
     # liveness
     def set_lease_sync(self, turn_id: str) -> None:
         self.sync.set(_lease_key(turn_id), "1", px=int(settings.AAP_TURN_LEASE_SECONDS * 1000))
@@ -321,10 +325,13 @@ class MemoryEvents:
             log = self._logs.get(turn_id)
             return list(log.events) if log else []
 
-    async def last(self, turn_id: str) -> tuple[int, dict] | None:
+    def last_sync(self, turn_id: str) -> tuple[int, dict] | None:
         with self._lock:
             log = self._logs.get(turn_id)
             return log.events[-1] if log and log.events else None
+
+    async def last(self, turn_id: str) -> tuple[int, dict] | None:
+        return self.last_sync(turn_id)
 
     def set_lease_sync(self, turn_id: str) -> None:
         self._leases[turn_id] = time.monotonic() + settings.AAP_TURN_LEASE_SECONDS
@@ -360,8 +367,8 @@ def backend() -> RedisEvents | MemoryEvents:
 
 
 def last_seq_sync(turn_id: str) -> int:
-    events = backend().read_all_sync(turn_id)
-    return events[-1][0] if events else 0
+    last = backend().last_sync(turn_id)
+    return last[0] if last else 0
 
 
 QUIET = None  # what follow() yields when nothing happened for a while

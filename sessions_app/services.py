@@ -559,8 +559,8 @@ def _finalize_if_lost(turn: Turn, session: Session) -> bool:
         return True
     if not _is_lost(turn):
         return False
-    streamed = [event for _, event in events.backend().read_all_sync(turn.id)]
-    produced = fold(e for e in streamed if e["event"] not in ("turn_start", "turn_stop"))
+    streamed = events.backend().read_all_sync(turn.id)
+    produced = fold(e for _, e in streamed if e["event"] not in ("turn_start", "turn_stop"))
     message = (
         "The worker running this turn stopped before finishing."
         if turn.status == Turn.RUNNING
@@ -573,7 +573,7 @@ def _finalize_if_lost(turn: Turn, session: Session) -> bool:
     session.pending_calls = []
     session.active_turn = None
     session.save(update_fields=["message_seq", "pending_calls", "active_turn", "updated_at"])
-    last = max((seq for seq, _ in events.backend().read_all_sync(turn.id)), default=0)
+    last = streamed[-1][0] if streamed else 0
     turn_id = turn.id
     transaction.on_commit(lambda: _publish_stop(turn_id, "error", {"error": message}, seq=last + 1))
     logger.warning("turn %s was lost (%s); ended with error", turn.id, turn.status)

@@ -144,10 +144,10 @@ class TurnEventsView(APIView):
         if turn is None:
             raise NotFound(f"No turn '{turn_id}' exists on session '{session_id}' for this token's tenant.")
         if turn.status == Turn.DONE:
-            kept = events.backend().read_all_sync(turn.id)
-            if not kept:
+            last = events.backend().last_sync(turn.id)
+            if last is None:
                 raise NotFound(f"The events of turn '{turn_id}' are no longer kept; read the session's history.")
-            if kept[-1][1].get("event") == "turn_stop" and kept[-1][0] <= after:
+            if last[1].get("event") == "turn_stop" and last[0] <= after:
                 # The reader has everything: 204 tells an EventSource to stop reconnecting.
                 return Response(status=status.HTTP_204_NO_CONTENT)
         return turn_response(turn.id, "delta" if turn.stream == "delta" else "message", after=after)

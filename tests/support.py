@@ -30,6 +30,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_for_health(web: subprocess.Popen, base_url: str, log, timeout: float = 60.0) -> None:
+    """Wait until a started Daphne answers /healthz with 200; `log()` gives its output on failure."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if web.poll() is not None:
+            raise RuntimeError(f"daphne exited:\n{log()[-3000:]}")
+        try:
+            if httpx.get(base_url + "/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"daphne did not become healthy within {timeout:.0f} s")
+
+
 # --- SSE ---------------------------------------------------------------------------------
 
 
@@ -262,18 +277,7 @@ class Stack:
         raise RuntimeError("celery worker did not become ready")
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.web.poll() is not None:
-                log = (self.log_dir / f"{self.name}-daphne.log").read_text()
-                raise RuntimeError(f"daphne exited:\n{log[-3000:]}")
-            try:
-                if httpx.get(self.base_url + "/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("daphne did not become healthy")
+        wait_for_health(self.web, self.base_url, lambda: (self.log_dir / f"{self.name}-daphne.log").read_text(), timeout)
 
     def start_extra_worker(self, label: str, timeout: float = 60.0) -> subprocess.Popen:
         """One more Celery worker process on the turn queue (the caller stops it with SIGTERM)."""

@@ -69,19 +69,17 @@ def fresh(fake):
 
 def new_session(client: AAP, name: str, *, tools=None, options=None, client_tools=None, messages=None) -> str:
     """Create a session of agent `name` with server tools, options, client tools and seed messages."""
-    agent: dict = {"name": name}
+    agent: dict = {}
     if tools is not None:
         agent["tools"] = tools
     if options is not None:
         agent["options"] = options
-    body: dict = {"agent": agent}
+    body: dict = {}
     if client_tools is not None:
         body["tools"] = client_tools
     if messages is not None:
         body["messages"] = messages
-    response = client.post("/v1/sessions", body)
-    assert response.status_code == 201, response.text
-    return response.json()["sessionId"]
+    return client.create_session(name, agent=agent, **body)
 
 
 TRUSTED_ADD = [{"name": "add", "trust": True}]

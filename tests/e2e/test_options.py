@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hashlib
 
-import pytest
-
 from .turns import CLIENT_TOOL, checked_turn, new_session, text_reply, user
 
 SECRET = "sk-live-a1b2c3d4e5"

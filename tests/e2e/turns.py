@@ -23,17 +23,13 @@ CLIENT_TOOL = {
 def new_session(client: AAP, agent: str = "echo", *, options: dict | None = None,
                 server_tools: list[dict] | None = None, tools: list[dict] | None = None) -> str:
     """Create a session with agent options, enabled server tools and client tools."""
-    config: dict = {"name": agent}
+    config: dict = {}
     if options is not None:
         config["options"] = options
     if server_tools is not None:
         config["tools"] = server_tools
-    body: dict = {"agent": config}
-    if tools is not None:
-        body["tools"] = tools
-    response = client.post("/v1/sessions", body)
-    assert response.status_code == 201, response.text
-    return response.json()["sessionId"]
+    body = {"tools": tools} if tools is not None else {}
+    return client.create_session(agent, agent=config, **body)
 
 
 def text_reply(text: str) -> list[dict]:
