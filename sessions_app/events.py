@@ -80,6 +80,7 @@ class _NotifyHub:
         self.wakers: dict[str, set[Watcher]] = {}
         self.confirmed: dict[str, asyncio.Future] = {}
         self.reader: asyncio.Task | None = None
+        self.ready: asyncio.Future | None = None
 
     @contextlib.asynccontextmanager
     async def watch(self, channel: str):
@@ -104,11 +105,24 @@ class _NotifyHub:
                         await self.pubsub.unsubscribe(channel)
 
     async def _ensure_reader(self) -> None:
+        # Set before any await: two followers arriving together must not start two readers
+        # (two coroutines reading one connection break each other's reads).
         if self.reader is None or self.reader.done():
-            await self.pubsub.subscribe(self.IDLE_CHANNEL)
-            self.reader = asyncio.get_running_loop().create_task(self._read())
+            loop = asyncio.get_running_loop()
+            self.ready = loop.create_future()
+            self.reader = loop.create_task(self._read(self.ready))
+        await asyncio.shield(self.ready)
 
-    async def _read(self) -> None:
+    async def _read(self, ready: asyncio.Future) -> None:
+        try:
+            await self.pubsub.subscribe(self.IDLE_CHANNEL)  # get_message needs a subscription
+        except asyncio.CancelledError:
+            ready.cancel()
+            raise
+        except Exception as exc:
+            ready.set_exception(exc)
+            raise
+        ready.set_result(None)
         while True:
             try:
                 message = await self.pubsub.get_message(timeout=30.0)
