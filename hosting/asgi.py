@@ -1,6 +1,8 @@
 """ASGI entry point: Channels' protocol router in front of Django, served by Daphne.
 
-HTTP goes to Django; a turn's stream is handed off by its view to TurnStreamHandoff, which
+HTTP goes to Django: `/v1/` (the AAP API) through hosting.handlers.ApiHandler (async
+middleware, views on a shared thread pool), the rest (admin, static, health) through the
+stock handler. A turn's stream is handed off by its view to TurnStreamHandoff, which
 writes it from the event loop (no thread and no database connection per open stream). Static files (admin) are served here too, for a self-contained deployment.
 """
 
@@ -14,6 +16,10 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 
 django_asgi = get_asgi_application()
 
+from hosting.handlers import ApiHandler, PathRouter  # noqa: E402
+
 from sessions_app.streaming import TurnStreamHandoff  # noqa: E402  (needs Django set up)
 
-application = ProtocolTypeRouter({"http": TurnStreamHandoff(ASGIStaticFilesHandler(django_asgi))})
+application = ProtocolTypeRouter(
+    {"http": TurnStreamHandoff(ASGIStaticFilesHandler(PathRouter(ApiHandler(), django_asgi)))}
+)

@@ -99,6 +99,15 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
+# The AAP API's chain (hosting.handlers.ApiHandler): async-native, no sessions or CSRF
+# (the API authenticates with bearer tokens); the admin keeps MIDDLEWARE.
+AAP_API_MIDDLEWARE = [
+    "hosting.handlers.AsyncSecurityMiddleware",
+    "hosting.errors.BodyLimitMiddleware",
+    "corsheaders.middleware.CorsMiddleware",
+    "hosting.handlers.AsyncXFrameOptionsMiddleware",
+]
+
 ROOT_URLCONF = "hosting.urls"
 ASGI_APPLICATION = "hosting.asgi.application"
 
@@ -118,6 +127,9 @@ TEMPLATES = [
 ]
 
 # --- Database -------------------------------------------------------------------------
+# Threads of a web process for API views and liveness checks (hosting.handlers); keep it at
+# or under DATABASE_POOL_MAX so a view rarely waits for a connection.
+AAP_WEB_THREADS = env_int("AAP_WEB_THREADS", 16)
 DATABASE_URL = os.environ.get("DATABASE_URL", "")
 if DATABASE_URL:
     DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}

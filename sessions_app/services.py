@@ -581,14 +581,6 @@ def _finalize_if_lost(turn: Turn, session: Session) -> bool:
     return True
 
 
-def turn_recover_if_lost_released(turn_id: str) -> bool:
-    """turn_recover_if_lost for a stream's liveness check: the connection goes back at once."""
-    try:
-        return turn_recover_if_lost(turn_id)
-    finally:
-        connection.close()
-
-
 def turn_recover_if_lost(turn_id: str) -> bool:
     """End the turn with `error` if its worker is gone. Returns True if the turn is over."""
     turn = Turn.objects.filter(id=turn_id).only("status", "created_at", "session_id").first()

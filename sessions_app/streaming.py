@@ -10,16 +10,17 @@ from __future__ import annotations
 import asyncio
 import time
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import HttpResponse
+
+from hosting.handlers import on_web_threads
 
 from . import events, services
 from .protocol import SSE_PING, dumps, event_data, fold, sse_frame
 
 LIVENESS_CHECK_SECONDS = 5.0
 
-_recover = sync_to_async(services.turn_recover_if_lost_released, thread_sensitive=False)
+_recover = on_web_threads(services.turn_recover_if_lost)
 
 
 async def _follow(turn_id: str, after: int):

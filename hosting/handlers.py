@@ -1,0 +1,125 @@
+"""The ASGI handler of the AAP API (`/v1/`): Django without a thread per request.
+
+Django's stock ASGI handler gives every request a fresh single-thread executor (asgiref's
+ThreadSensitiveContext: a thread started and joined per request) and runs every
+`MiddlewareMixin` hook through it (two thread hops per middleware). Profiled under load,
+that was a fifth of the web process's CPU per turn (docs/performance.md). The API needs
+neither: its middleware (`AAP_API_MIDDLEWARE`) is async-native, and its sync DRF views run
+on one shared, bounded pool of threads (`AAP_WEB_THREADS`), each giving its database
+connection back to the pool when the view returns. The admin keeps the stock handler and
+the full `MIDDLEWARE` (sessions, CSRF, messages).
+"""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+from asgiref.sync import iscoroutinefunction, sync_to_async
+from django.conf import settings
+from django.core.handlers.asgi import ASGIHandler
+from django.db import connections
+from django.middleware.clickjacking import XFrameOptionsMiddleware
+from django.middleware.security import SecurityMiddleware
+
+
+@functools.cache
+def web_executor() -> ThreadPoolExecutor:
+    """The web process's threads for blocking work (views, liveness checks)."""
+    return ThreadPoolExecutor(max_workers=settings.AAP_WEB_THREADS, thread_name_prefix="aap-web")
+
+
+def release_connections() -> None:
+    """Give this thread's database connections back (to the pool, under PostgreSQL)."""
+    for connection in connections.all(initialized_only=True):
+        connection.close()
+
+
+def on_web_threads(function):
+    """`function` as a coroutine run on web_executor(), its connections released after."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        finally:
+            release_connections()
+
+    return sync_to_async(run, thread_sensitive=False, executor=web_executor())
+
+
+class InlineHooksMixin:
+    """For middleware whose hooks do no I/O: run them on the event loop, not via a thread."""
+
+    async def __acall__(self, request):
+        response = self.process_request(request) if hasattr(self, "process_request") else None
+        response = response or await self.get_response(request)
+        if hasattr(self, "process_response"):
+            response = self.process_response(request, response)
+        return response
+
+
+class AsyncSecurityMiddleware(InlineHooksMixin, SecurityMiddleware):
+    pass
+
+
+class AsyncXFrameOptionsMiddleware(InlineHooksMixin, XFrameOptionsMiddleware):
+    pass
+
+
+class ApiHandler(ASGIHandler):
+    """Django's ASGI handler with `AAP_API_MIDDLEWARE` and pooled view threads."""
+
+    def __init__(self):
+        self._pooled: dict = {}
+        super().__init__()
+
+    def load_middleware(self, is_async=False):
+        # BaseHandler reads settings.MIDDLEWARE; this handler's chain is the API's.
+        full = settings.MIDDLEWARE
+        settings.MIDDLEWARE = settings.AAP_API_MIDDLEWARE
+        try:
+            super().load_middleware(is_async=is_async)
+        finally:
+            settings.MIDDLEWARE = full
+
+    async def __call__(self, scope, receive, send):
+        # No ThreadSensitiveContext: nothing on this path is thread-sensitive (views run on
+        # web_executor(); the request signals' receivers only touch this thread's state).
+        if scope["type"] != "http":
+            raise ValueError(f"The API handles HTTP only, not {scope['type']}.")
+        await self.handle(scope, receive, send)
+
+    def make_view_atomic(self, view):
+        # Called per request with the URLconf's view objects: wrap each once.
+        pooled = self._pooled.get(view)
+        if pooled is None:
+            wrapped = super().make_view_atomic(view)
+            pooled = wrapped if iscoroutinefunction(wrapped) else on_web_threads(_rendered(wrapped))
+            self._pooled[view] = pooled
+        return pooled
+
+
+def _rendered(view):
+    """Render a DRF response on the view's thread, where the encoding work belongs."""
+
+    @functools.wraps(view)
+    def run(*args, **kwargs):
+        response = view(*args, **kwargs)
+        render = getattr(response, "render", None)
+        if callable(render):
+            response = render()
+        return response
+
+    return run
+
+
+class PathRouter:
+    """ASGI: `/v1/` to the API handler, everything else (admin, static, health) to `default`."""
+
+    def __init__(self, api, default, prefix: str = "/v1/"):
+        self.api, self.default, self.prefix = api, default, prefix
+
+    async def __call__(self, scope, receive, send):
+        app = self.api if scope.get("path", "").startswith(self.prefix) else self.default
+        return await app(scope, receive, send)
