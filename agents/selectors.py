@@ -1,5 +1,8 @@
 """Reads of the agent registry, in the shapes AAP uses."""
 
+import threading
+from datetime import datetime, timezone
+
 from django.db.models import Prefetch
 
 from .models import Agent, AgentOption, ServerTool
@@ -52,3 +55,43 @@ def agent_info(agent: Agent) -> dict:
         info["options"] = options
     info["capabilities"] = agent.capabilities()
     return info
+
+
+# agent id -> (revision, agent with its options and server tools loaded); see agent_definition.
+_definitions: dict[int, tuple[object, Agent]] = {}
+_definitions_lock = threading.Lock()
+
+
+def agent_definition(agent_id: int, revision) -> Agent:
+    """The agent with its options and server tools, from this process's cache while its
+    `updated_at` equals `revision` (read with the session; bumped by any change to the agent,
+    its options or its tools). Every turn needs the definition; it rarely changes.
+
+    The instance is shared between threads: read it, never modify it.
+    """
+    cached = _definitions.get(agent_id)
+    if cached is not None and cached[0] == _revision_key(revision):
+        return cached[1]
+    agent = (
+        Agent.objects.prefetch_related("options", "server_tools").filter(pk=agent_id).first()
+    )
+    if agent is None:
+        raise Agent.DoesNotExist(f"agent {agent_id}")
+    agent.capabilities = _frozen(agent.capabilities())
+    with _definitions_lock:
+        _definitions[agent_id] = (_revision_key(agent.updated_at), agent)
+    return agent
+
+
+def _revision_key(value):
+    """updated_at as naive UTC: raw SQL reads it aware (PostgreSQL) or naive (SQLite)."""
+    if isinstance(value, datetime) and value.tzinfo is not None:
+        return value.astimezone(timezone.utc).replace(tzinfo=None)
+    if isinstance(value, str):
+        return datetime.fromisoformat(value).replace(tzinfo=None)
+    return value
+
+
+def _frozen(value):
+    """capabilities() computed once for a cached definition (callers only read it)."""
+    return lambda: value

@@ -9,18 +9,17 @@ from __future__ import annotations
 import logging
 
 from django.db import connection, transaction
-from django.db.models import F
 from django.utils import timezone
 
 from agents.models import Agent, AgentOption
 from agents.runtimes import runtime_for
 from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
-from agents.selectors import server_tool_specs
+from agents.selectors import agent_definition, server_tool_specs
 from hosting import crypto
 from hosting.errors import BadRequest, Conflict, NotFound
 
-from . import events, host
-from .models import Message, Session, Turn
+from . import events, host, turn_store
+from .models import Message, Session, Turn, new_turn_id
 from .protocol import content_images, dumps, fold, image_kind, tool_uses
 
 logger = logging.getLogger(__name__)
@@ -129,30 +128,17 @@ def _check_stream(agent: Agent, mode: str) -> None:
 # --- history ---------------------------------------------------------------------------------
 
 
-def _append_messages(
-    session: Session, messages: list[dict], *, turn: Turn | None = None, compacted_from: int = 0
-) -> list[int]:
-    """Append messages to full history, and those from `compacted_from` on to compacted
-    history too; returns their sequence numbers."""
-    if not messages:
-        return []
-    start = session.message_seq + 1
-    rows = []
-    seqs = []
-    for offset, message in enumerate(messages):
-        seq = start + offset
-        seqs.append(seq)
-        text = dumps(message)
-        role = message.get("role", "")
-        kinds = (Message.FULL, Message.COMPACTED) if offset >= compacted_from else (Message.FULL,)
-        for kind in kinds:
-            rows.append(Message(session=session, kind=kind, seq=seq, role=role, data=text, turn=turn))
-    Message.objects.bulk_create(rows)
-    session.message_seq = start + len(messages) - 1
+def _append_messages(session: Session, messages: list[dict], *, turn: Turn | None = None, compacted_from: int = 0) -> list[int]:
+    """Append messages to a session's full history, and those from `compacted_from` on to
+    its compacted history too (the caller saves session.message_seq)."""
+    seqs = turn_store.insert_messages(
+        session.pk, session.message_seq + 1, messages, turn_id=turn.id if turn else None, compacted_from=compacted_from
+    )
+    session.message_seq += len(messages)
     return seqs
 
 
-def _apply_compaction(session: Session, compacted: list[tuple[int, dict]], compaction) -> None:
+def _apply_compaction(session_pk: int, message_seq: int, compacted: list[tuple[int, dict]], compaction) -> None:
     """Keep the last `keep_last` compacted messages (never opening on an orphaned tool
     result) behind an optional summary; `full` history is never touched."""
     if compaction is None or compaction.keep_last >= len(compacted) and not compaction.summary:
@@ -160,13 +146,13 @@ def _apply_compaction(session: Session, compacted: list[tuple[int, dict]], compa
     kept = compacted[-compaction.keep_last :] if compaction.keep_last > 0 else []
     while kept and kept[0][1].get("role") == "tool":
         kept = kept[1:]
-    cutoff = kept[0][0] if kept else session.message_seq + 1
-    Message.objects.filter(session=session, kind=Message.COMPACTED, seq__lt=cutoff).delete()
+    cutoff = kept[0][0] if kept else message_seq + 1
+    turn_store.drop_compacted_before(session_pk, cutoff)
     if compaction.summary:
         first = cutoff - len(compaction.summary)
-        Message.objects.bulk_create(
-            Message(session=session, kind=Message.COMPACTED, seq=first + i, role=m.get("role", ""), data=dumps(m))
-            for i, m in enumerate(compaction.summary)
+        turn_store.insert_message_rows(
+            [(session_pk, Message.COMPACTED, first + i, m.get("role", ""), dumps(m), None)
+             for i, m in enumerate(compaction.summary)]
         )
 
 
@@ -334,14 +320,16 @@ def _answers_for_pending(pending: list[dict], messages: list[dict]) -> tuple[lis
 def turn_start(*, tenant, session_id: str, data: dict) -> Turn:
     """Validate a turn against the session, store its incoming messages, enqueue it.
 
-    Raises BadRequest (400), NotFound (404) or Conflict (409, a turn is running).
+    Raises BadRequest (400), NotFound (404) or Conflict (409, a turn is running). Returns
+    the new turn (not read back from the database).
     """
     with transaction.atomic():
-        session = _session_for_update(tenant, session_id)
-        active = session.active_turn
-        if active is not None and active.status != Turn.DONE and not _finalize_if_lost(active, session):
-            raise Conflict("A turn is already running on this session; wait for its turn_stop or cancel it.")
-        agent = session.agent
+        session = _lock_session(tenant, session_id)
+        if session.active_turn_id is not None:
+            if not _end_active_if_lost(session):
+                raise Conflict("A turn is already running on this session; wait for its turn_stop or cancel it.")
+            session = _lock_session(tenant, session_id)  # the lost turn's output joined the history
+        agent = agent_definition(session.agent_id, session.agent_revision)
         if not agent.enabled:
             raise BadRequest(f"Agent '{agent.name}' is disabled; the operator can enable it again.")
         agent_config = data.get("agent") or {}
@@ -352,30 +340,44 @@ def turn_start(*, tenant, session_id: str, data: dict) -> Turn:
         messages = data["messages"]
         _check_images(agent, messages)
 
-        fields = ["pending_calls", "active_turn", "message_seq", "updated_at"]
+        changes: dict = {}
         if "options" in agent_config:
-            session.options = _merge_options(agent, session.options, agent_config["options"])
-            fields.append("options")
+            changes["options"] = _merge_options(agent, session.options, agent_config["options"])
         if "tools" in agent_config:
-            session.server_tools = _validate_server_tools(agent, agent_config["tools"])
-            fields.append("server_tools")
+            changes["server_tools"] = session.server_tools = _validate_server_tools(agent, agent_config["tools"])
         if "tools" in data:
-            session.client_tools = data["tools"]
-            fields.append("client_tools")
+            changes["client_tools"] = session.client_tools = data["tools"]
         if "tools" in agent_config or "tools" in data:
             _validate_client_tools(agent, session.client_tools, session.server_tools)
 
         tool_messages, permissions = _answers_for_pending(session.pending_calls, messages)
-        turn = Turn.objects.create(session=session, stream=mode, permissions=permissions)
+        turn = Turn(id=new_turn_id(), session_id=session.pk, stream=mode, permissions=permissions)
+        turn_store.insert_turn(turn.id, session.pk, mode, permissions)
         incoming = tool_messages if session.pending_calls else messages
-        _append_messages(session, incoming, turn=turn)
-        session.pending_calls = []
-        session.active_turn = turn
-        session.save(update_fields=fields)
+        turn_store.insert_messages(session.pk, session.message_seq + 1, incoming, turn_id=turn.id)
+        turn_store.update_session(
+            session.pk, pending_calls=[], active_turn=turn.id, message_seq=session.message_seq + len(incoming), **changes
+        )
         # Permission answers go to the worker holding the prompt that waits on them (ACP).
         node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
         transaction.on_commit(lambda: _announce_and_enqueue(turn.id, node))
     return turn
+
+
+def _lock_session(tenant, session_id: str) -> turn_store.SessionRow:
+    session = turn_store.lock_session(tenant.pk, session_id)
+    if session is None:
+        raise NotFound(f"No session '{session_id}' exists for this token's tenant.")
+    return session
+
+
+def _end_active_if_lost(row: turn_store.SessionRow) -> bool:
+    """The session's active turn is over, or was lost and is now ended. Inside the
+    transaction that locked the session."""
+    turn = Turn.objects.filter(id=row.active_turn_id).first()
+    if turn is None:
+        return True
+    return _finalize_if_lost(turn, Session.objects.get(pk=row.pk))
 
 
 def _announce_and_enqueue(turn_id: str, node: str | None) -> None:
@@ -407,23 +409,21 @@ def _server_bindings(agent: Agent, refs: list[dict] | None) -> dict[str, ServerT
     return bindings
 
 
-def _plan(turn: Turn, session: Session) -> tuple[host.TurnPlan, list[tuple[int, dict]]]:
+def _plan(turn_id: str, claimed: turn_store.ClaimedTurn, session: turn_store.TurnSession) -> tuple[host.TurnPlan, list[tuple[int, dict]]]:
     import json
 
-    agent = session.agent
-    rows = list(
-        Message.objects.filter(session=session, kind=Message.COMPACTED).order_by("seq").values_list("seq", "data", "turn_id")
-    )
+    agent = agent_definition(session.agent_id, session.agent_revision)
+    rows = turn_store.compacted_history(claimed.session_pk)
     compacted = [(seq, json.loads(data)) for seq, data, _ in rows]
-    incoming = [message for (seq, message), (_, _, turn_id) in zip(compacted, rows) if turn_id == turn.id]
+    incoming = [message for (seq, message), (_, _, row_turn) in zip(compacted, rows) if row_turn == turn_id]
     permissions = [
         PermissionAnswer(ToolCall(p["toolCallId"], p["name"], p.get("input", {})), p["granted"], p.get("reason"))
-        for p in turn.permissions
+        for p in claimed.permissions
     ]
     plan = host.TurnPlan(
-        turn_id=turn.id,
+        turn_id=turn_id,
         session_id=session.public_id,
-        tenant=session.tenant.name,
+        tenant=session.tenant_name,
         agent_name=agent.name,
         runtime_kind=agent.runtime_kind,
         config=agent.runtime_config or {},
@@ -434,7 +434,7 @@ def _plan(turn: Turn, session: Session) -> tuple[host.TurnPlan, list[tuple[int, 
         history=[message for _, message in compacted],
         incoming=incoming,
         permissions=permissions,
-        stream=turn.stream,
+        stream=claimed.stream,
         capabilities=agent.capabilities(),
     )
     return plan, compacted
@@ -445,19 +445,14 @@ def turn_execute(turn_id: str) -> None:
     backend = events.backend()
     backend.set_lease_sync(turn_id)  # before the claim, so a running turn always has a lease
     # One conditional UPDATE claims the turn: a second delivery of the task finds nothing to do.
-    if not Turn.objects.filter(id=turn_id, status=Turn.QUEUED).update(status=Turn.RUNNING, started_at=timezone.now()):
+    claimed = turn_store.claim_turn(turn_id)
+    if claimed is None:
         return
-    turn = Turn.objects.get(id=turn_id)
-    session = (
-        Session.objects.select_related("agent", "tenant")
-        .prefetch_related("agent__options", "agent__server_tools")
-        .filter(pk=turn.session_id)
-        .first()
-    )
+    session = turn_store.session_for_turn(claimed.session_pk)
     if session is None:
         return
     try:
-        plan, compacted = _plan(turn, session)
+        plan, compacted = _plan(turn_id, claimed, session)
         backend.set_lease_sync(turn_id)  # preparing may have taken a while; the host renews it from here
     except Exception as exc:
         logger.error("turn %s could not be prepared: %s", turn_id, type(exc).__name__)
@@ -470,37 +465,35 @@ def turn_execute(turn_id: str) -> None:
         # The agent may run for minutes: give the connection back to the pool meanwhile.
         connection.close()
         outcome = host.execute_sync(plan)
-    _finish(turn_id, session.pk, outcome, compacted)
+    _finish(turn_id, claimed.session_pk, outcome, compacted)
 
 
 def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted: list[tuple[int, dict]]) -> None:
     """Persist a turn's messages, pending calls and usage atomically, then publish turn_stop."""
     with transaction.atomic():
-        updated = Turn.objects.filter(id=turn_id, status=Turn.RUNNING).update(
-            status=Turn.DONE,
+        ended = turn_store.end_turn(
+            turn_id,
             stop_reason=outcome.stop_reason,
             cancelled=outcome.cancelled,
             error=outcome.error[:500],
-            finished_at=timezone.now(),
             prompt_tokens=outcome.prompt_tokens,
             completion_tokens=outcome.completion_tokens,
             model_calls=outcome.model_calls,
         )
-        if not updated:
+        if not ended:
             return  # declared lost meanwhile, or deleted with its session
-        session = Session.objects.select_for_update().filter(pk=session_pk).first()
-        if session is None:
-            return
-        turn = Turn(id=turn_id)
-        seqs = _append_messages(session, outcome.messages, turn=turn)
-        _apply_compaction(session, compacted + list(zip(seqs, outcome.messages)), outcome.compaction)
-        session.pending_calls = outcome.pending_calls
-        session.active_turn = None
-        session.prompt_tokens = F("prompt_tokens") + outcome.prompt_tokens
-        session.completion_tokens = F("completion_tokens") + outcome.completion_tokens
-        session.save(
-            update_fields=["message_seq", "pending_calls", "active_turn", "prompt_tokens", "completion_tokens", "updated_at"]
+        last = turn_store.close_turn_on_session(
+            session_pk,
+            added=len(outcome.messages),
+            pending_calls=outcome.pending_calls,
+            prompt_tokens=outcome.prompt_tokens,
+            completion_tokens=outcome.completion_tokens,
         )
+        if last is None:
+            return
+        first = last - len(outcome.messages) + 1
+        seqs = turn_store.insert_messages(session_pk, first, outcome.messages, turn_id=turn_id)
+        _apply_compaction(session_pk, last, compacted + list(zip(seqs, outcome.messages)), outcome.compaction)
         meta = dict(outcome.stop_meta)
         if outcome.model_calls:
             meta["usage"] = {"promptTokens": outcome.prompt_tokens, "completionTokens": outcome.completion_tokens}

@@ -1,0 +1,240 @@
+"""The statements of a turn's path, written as SQL.
+
+Every turn reads and writes the same few rows: the session (locked), the turn, the new
+messages. Through the ORM each statement cost about 1 ms of Python to build, ten times what
+the database spends on it, and that was most of a turn's CPU (docs/performance.md). Here
+each is one prepared string. The rules stay in services.py; this module only moves rows.
+Works on PostgreSQL and on SQLite (the embedded mode).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import connection
+from django.utils import timezone
+
+from agents.models import Agent
+from hosting.models import Tenant
+
+from .models import Message, Session, Turn
+from .protocol import dumps
+
+S = Session._meta.db_table
+T = Turn._meta.db_table
+M = Message._meta.db_table
+A = Agent._meta.db_table
+TENANT = Tenant._meta.db_table
+
+# Rows per INSERT statement: well under SQLite's and PostgreSQL's parameter limits.
+INSERT_BATCH = 500
+
+
+def _now():
+    return connection.ops.adapt_datetimefield_value(timezone.now())
+
+
+def _json_param(model, field: str, value):
+    return model._meta.get_field(field).get_db_prep_save(value, connection)
+
+
+def _json(text):
+    return None if text is None else json.loads(text) if isinstance(text, str) else text
+
+
+def _for_update() -> str:
+    return " FOR UPDATE OF s" if connection.features.has_select_for_update_of else ""
+
+
+# --- sessions ---------------------------------------------------------------------------------
+
+
+@dataclass
+class SessionRow:
+    pk: int
+    public_id: str
+    agent_id: int
+    agent_revision: datetime
+    options: dict
+    server_tools: list | None
+    client_tools: list | None
+    pending_calls: list
+    message_seq: int
+    active_turn_id: str | None
+
+
+_SESSION_COLUMNS = (
+    "s.id, s.public_id, s.agent_id, a.updated_at, s.options, s.server_tools, s.client_tools, "
+    "s.pending_calls, s.message_seq, s.active_turn_id"
+)
+
+
+def _session_row(row) -> SessionRow:
+    pk, public_id, agent_id, revision, options, server_tools, client_tools, pending, seq, active = row
+    return SessionRow(
+        pk, public_id, agent_id, revision, _json(options) or {}, _json(server_tools), _json(client_tools),
+        _json(pending) or [], seq, active,
+    )
+
+
+def lock_session(tenant_id: int, public_id: str) -> SessionRow | None:
+    """The tenant's session, locked until the transaction ends (PostgreSQL)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT {_SESSION_COLUMNS} FROM {S} s JOIN {A} a ON a.id = s.agent_id "
+            f"WHERE s.public_id = %s AND s.tenant_id = %s{_for_update()}",
+            [public_id, tenant_id],
+        )
+        row = cursor.fetchone()
+    return _session_row(row) if row else None
+
+
+@dataclass
+class TurnSession:
+    """What a worker needs of a session to run a turn."""
+
+    public_id: str
+    tenant_name: str
+    agent_id: int
+    agent_revision: datetime
+    options: dict
+    server_tools: list | None
+    client_tools: list | None
+
+
+def session_for_turn(session_pk: int) -> TurnSession | None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT s.public_id, t.name, s.agent_id, a.updated_at, s.options, s.server_tools, s.client_tools "
+            f"FROM {S} s JOIN {A} a ON a.id = s.agent_id JOIN {TENANT} t ON t.id = s.tenant_id WHERE s.id = %s",
+            [session_pk],
+        )
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    public_id, tenant, agent_id, revision, options, server_tools, client_tools = row
+    return TurnSession(public_id, tenant, agent_id, revision, _json(options) or {}, _json(server_tools), _json(client_tools))
+
+
+def update_session(session_pk: int, **fields) -> None:
+    """Set columns of a session (JSON ones encoded as their field does); updated_at too."""
+    columns, params = [], []
+    for name, value in fields.items():
+        field = Session._meta.get_field(name)
+        columns.append(f"{field.column} = %s")
+        params.append(field.get_db_prep_save(value, connection))
+    columns.append("updated_at = %s")
+    params.append(_now())
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {S} SET {', '.join(columns)} WHERE id = %s", [*params, session_pk])
+
+
+def close_turn_on_session(session_pk: int, *, added: int, pending_calls: list, prompt_tokens: int,
+                          completion_tokens: int) -> int | None:
+    """After a turn: reserve `added` message positions, store the pending calls and usage,
+    clear the active turn. Returns the new last position (None: the session is gone).
+    The UPDATE locks the row, so concurrent writers of the session's history queue here."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {S} SET message_seq = message_seq + %s, pending_calls = %s, active_turn_id = NULL, "
+            f"prompt_tokens = prompt_tokens + %s, completion_tokens = completion_tokens + %s, updated_at = %s "
+            f"WHERE id = %s RETURNING message_seq",
+            [added, _json_param(Session, "pending_calls", pending_calls), prompt_tokens, completion_tokens,
+             _now(), session_pk],
+        )
+        row = cursor.fetchone()
+    return row[0] if row else None
+
+
+# --- turns ------------------------------------------------------------------------------------
+
+
+def insert_turn(turn_id: str, session_pk: int, stream: str, permissions: list) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {T} (id, session_id, status, stream, stop_reason, cancelled, permissions, error, "
+            f"prompt_tokens, completion_tokens, model_calls, created_at) "
+            f"VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s)",
+            [turn_id, session_pk, Turn.QUEUED, stream, False, _json_param(Turn, "permissions", permissions), _now()],
+        )
+
+
+@dataclass
+class ClaimedTurn:
+    session_pk: int
+    stream: str
+    permissions: list
+
+
+def claim_turn(turn_id: str) -> ClaimedTurn | None:
+    """queued -> running, at most once: a second delivery of the task gets None."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {T} SET status = %s, started_at = %s WHERE id = %s AND status = %s "
+            f"RETURNING session_id, stream, permissions",
+            [Turn.RUNNING, _now(), turn_id, Turn.QUEUED],
+        )
+        row = cursor.fetchone()
+    return ClaimedTurn(row[0], row[1], _json(row[2]) or []) if row else None
+
+
+def end_turn(turn_id: str, *, stop_reason: str, cancelled: bool, error: str, prompt_tokens: int,
+             completion_tokens: int, model_calls: int) -> bool:
+    """running -> done; False when it was no longer running (declared lost, or deleted)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {T} SET status = %s, stop_reason = %s, cancelled = %s, error = %s, finished_at = %s, "
+            f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s WHERE id = %s AND status = %s",
+            [Turn.DONE, stop_reason, cancelled, error, _now(), prompt_tokens, completion_tokens, model_calls,
+             turn_id, Turn.RUNNING],
+        )
+        return cursor.rowcount > 0
+
+
+# --- history ----------------------------------------------------------------------------------
+
+
+def insert_messages(session_pk: int, first_seq: int, messages: list[dict], *, turn_id: str | None = None,
+                    compacted_from: int = 0) -> list[int]:
+    """Store messages at positions first_seq, first_seq + 1, ... in full history, and those
+    from index `compacted_from` on in compacted history too. Returns their positions."""
+    rows = []
+    for offset, message in enumerate(messages):
+        text, role, seq = dumps(message), message.get("role", ""), first_seq + offset
+        rows.append((session_pk, Message.FULL, seq, role, text, turn_id))
+        if offset >= compacted_from:
+            rows.append((session_pk, Message.COMPACTED, seq, role, text, turn_id))
+    insert_message_rows(rows)
+    return [first_seq + offset for offset in range(len(messages))]
+
+
+def insert_message_rows(rows: list[tuple]) -> None:
+    """(session_id, kind, seq, role, data, turn_id) rows, in batches."""
+    with connection.cursor() as cursor:
+        for start in range(0, len(rows), INSERT_BATCH):
+            batch = rows[start : start + INSERT_BATCH]
+            values = ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(batch))
+            cursor.execute(
+                f"INSERT INTO {M} (session_id, kind, seq, role, data, turn_id) VALUES {values}",
+                [value for row in batch for value in row],
+            )
+
+
+def compacted_history(session_pk: int) -> list[tuple[int, str, str | None]]:
+    """(seq, JSON text, turn id) of the session's compacted history, in order."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT seq, data, turn_id FROM {M} WHERE session_id = %s AND kind = %s ORDER BY seq",
+            [session_pk, Message.COMPACTED],
+        )
+        return cursor.fetchall()
+
+
+def drop_compacted_before(session_pk: int, cutoff: int) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"DELETE FROM {M} WHERE session_id = %s AND kind = %s AND seq < %s",
+            [session_pk, Message.COMPACTED, cutoff],
+        )
