@@ -167,6 +167,11 @@ CELERY_BROKER_URL = REDIS_URL or "memory://"
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Kombu's Redis ack emulation re-queues a message unacknowledged for an hour (two extra
+# Redis transactions per message). A turn whose worker vanished is ended long before that
+# (AAP_TURN_START_TIMEOUT_SECONDS, the lease), and a worker stopping cleanly still puts its
+# prefetched messages back.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"ack_emulation": False}
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_DEFAULT_QUEUE = "aap-turns"
 # Every worker also consumes its own direct queue: a turn answering a prompt that one

@@ -7,6 +7,7 @@ Views validate shapes (protocol serializers) and call one service; tasks call
 from __future__ import annotations
 
 import logging
+import time
 
 from django.db import connection, transaction
 from django.utils import timezone
@@ -448,12 +449,14 @@ def turn_execute(turn_id: str) -> None:
     claimed = turn_store.claim_turn(turn_id)
     if claimed is None:
         return
+    claimed_at = time.monotonic()
     session = turn_store.session_for_turn(claimed.session_pk)
     if session is None:
         return
     try:
         plan, compacted = _plan(turn_id, claimed, session)
-        backend.set_lease_sync(turn_id)  # preparing may have taken a while; the host renews it from here
+        if time.monotonic() - claimed_at > 1.0:
+            backend.set_lease_sync(turn_id)  # preparing took a while; the host renews it from here
     except Exception as exc:
         logger.error("turn %s could not be prepared: %s", turn_id, type(exc).__name__)
         outcome = host.TurnOutcome(
