@@ -404,19 +404,22 @@ async def follow(turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0) ->
     async with events.watch(turn_id) as watcher:
         if after and await reader_has_the_stop():
             return
-        replayed = False
+        read = True  # the stream is read to replay, to fill a gap, and when woken without events
         while True:
+            woken = watcher.wake.is_set()
             watcher.wake.clear()  # before reading: a publication during the read is not lost
-            items = watcher.take(after) if replayed else []
-            if not items or items[0][0] != after + 1:
-                items = await events.read_now(turn_id, after)  # replay, or fill a gap
-            replayed = True
+            items = [] if read else watcher.take(after)
+            # A wake-up without events: the hub reconnected, or the in-memory backend.
+            if read or (items and items[0][0] != after + 1) or (woken and not items):
+                items = await events.read_now(turn_id, after)
+            read = False
             if not items:
                 try:
                     await asyncio.wait_for(watcher.wake.wait(), quiet_seconds)
                 except TimeoutError:
                     if after and await reader_has_the_stop():
                         return
+                    read = True  # a missed publication is found here at the latest
                     yield QUIET
                 continue
             for seq, event in items:
