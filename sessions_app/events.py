@@ -415,7 +415,8 @@ async def follow(turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0) ->
             read = False
             if not items:
                 try:
-                    await asyncio.wait_for(watcher.wake.wait(), quiet_seconds)
+                    async with asyncio.timeout(quiet_seconds):  # no task per wait, unlike wait_for
+                        await watcher.wake.wait()
                 except TimeoutError:
                     if after and await reader_has_the_stop():
                         return
