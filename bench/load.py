@@ -1,4 +1,5 @@
-"""The load generator: an async AAP client over real HTTP (httpx), a closed-loop driver,
+"""The load generator: an async AAP client over real HTTP (aiohttp, whose C parser keeps the
+client's own CPU per event low: it shares the machine with the stack), a closed-loop driver,
 percentiles, and a monitor of the generator's own event-loop lag (so a slow client is
 seen, not mistaken for a slow server)."""
 
@@ -11,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 
 def percentiles(values: list[float]) -> dict:
@@ -78,15 +79,23 @@ class Api:
     """An application with one bearer token, over one pooled async HTTP client."""
 
     def __init__(self, base_url: str, token: str, *, timeout: float = 120.0):
-        self.http = httpx.AsyncClient(
-            base_url=base_url,
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(timeout, connect=30.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-        )
+        self.base_url = base_url
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.timeout = aiohttp.ClientTimeout(total=timeout, connect=30.0)
+        self._http: aiohttp.ClientSession | None = None
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        if self._http is None:  # made in the running event loop, on first use
+            self._http = aiohttp.ClientSession(
+                base_url=self.base_url, headers=self.headers, timeout=self.timeout,
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+        return self._http
 
     async def close(self) -> None:
-        await self.http.aclose()
+        if self._http is not None:
+            await self._http.close()
 
     async def create_session(self, agent: str = "echo", *, messages: list[dict] | None = None,
                              options: dict | None = None) -> str:
@@ -95,19 +104,19 @@ class Api:
             body["agent"]["options"] = options
         if messages is not None:
             body["messages"] = messages
-        response = await self.http.post("/v1/sessions", json=body)
-        if response.status_code != 201:
-            raise ApiError(f"POST /v1/sessions -> {response.status_code}: {response.text[:200]}")
-        return response.json()["sessionId"]
+        async with self.http.post("/v1/sessions", json=body) as response:
+            if response.status != 201:
+                raise ApiError(f"POST /v1/sessions -> {response.status}: {(await response.text())[:200]}")
+            return (await response.json())["sessionId"]
 
     async def turn(self, session_id: str, text: str) -> dict:
         """A `stream: "none"` turn; returns the JSON body (raises unless it ended with end_turn)."""
-        response = await self.http.post(
+        async with self.http.post(
             f"/v1/sessions/{session_id}/turns", json={"messages": [{"role": "user", "content": text}]}
-        )
-        if response.status_code != 200:
-            raise ApiError(f"turn -> {response.status_code}: {response.text[:200]}")
-        body = response.json()
+        ) as response:
+            if response.status != 200:
+                raise ApiError(f"turn -> {response.status}: {(await response.text())[:200]}")
+            body = await response.json()
         if body.get("stopReason") != "end_turn":
             raise ApiError(f"turn stopped with {body.get('stopReason')!r}: {json.dumps(body.get('_meta'))[:200]}")
         return body
@@ -118,12 +127,11 @@ class Api:
         received: list[Received] = []
         body = {"messages": [{"role": "user", "content": text}], "stream": mode}
         sent = time.time()
-        async with self.http.stream("POST", f"/v1/sessions/{session_id}/turns", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise ApiError(f"turn -> {response.status_code}: {response.text[:200]}")
+        async with self.http.post(f"/v1/sessions/{session_id}/turns", json=body) as response:
+            if response.status != 200:
+                raise ApiError(f"turn -> {response.status}: {(await response.text())[:200]}")
             buffer = b""
-            async for chunk in response.aiter_raw():
+            async for chunk in response.content.iter_any():
                 at = time.time()
                 frames, buffer = _frames(buffer + chunk)
                 for frame in frames:

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 
-import httpx
+import aiohttp
 
 from .load import Api, Errors, LoopLag, closed_loop, percentiles
 from .profiles import Profile
@@ -201,6 +201,11 @@ class Bench:
             sent, events = await self.api.stream_turn(sid, "hello world")
             return events[0].at - sent if events[0].event == "turn_start" else None
 
+        # The service's own cost to the first event, without queueing: one client.
+        alone = await closed_loop(1, self.p.ttfb_seconds / 2, turn,
+                                  setup=lambda i: self.api.create_session(), warmup=self.p.warmup)
+        self.add(latency_row("3", "time to turn_start, delta turns, c=1 (no queueing)", alone.values,
+                             errors=alone.errors))
         result = await closed_loop(self.p.ttfb_clients, self.p.ttfb_seconds, turn,
                                    setup=lambda i: self.api.create_session(), warmup=self.p.warmup)
         stats = percentiles(result.values)
@@ -307,12 +312,14 @@ class Bench:
         direct, turns, overhead = [], [], []
         body = {"model": "bench-model", "messages": [{"role": "user", "content": "hello world"}], "stream": True,
                 "stream_options": {"include_usage": True}}
-        async with httpx.AsyncClient(timeout=60, headers={"Authorization": "Bearer sk-bench-fake-key"}) as fake:
+        # The same HTTP client as the turns', so the paired difference is the service's alone.
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60),
+                                         headers={"Authorization": "Bearer sk-bench-fake-key"}) as fake:
             for _ in range(self.p.llm_turns + 1):  # the first pair warms the direct path up
                 try:
                     t0 = time.perf_counter()
-                    async with fake.stream("POST", url.rstrip("/") + "/chat/completions", json=body) as response:
-                        async for _chunk in response.aiter_raw():
+                    async with fake.post(url.rstrip("/") + "/chat/completions", json=body) as response:
+                        async for _chunk in response.content.iter_any():
                             pass
                     d = time.perf_counter() - t0
                     t = await self._llm_turn()
