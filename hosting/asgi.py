@@ -23,3 +23,7 @@ from sessions_app.streaming import TurnStreamHandoff  # noqa: E402  (needs Djang
 application = ProtocolTypeRouter(
     {"http": TurnStreamHandoff(ASGIStaticFilesHandler(PathRouter(ApiHandler(), django_asgi)))}
 )
+
+from hosting.process import freeze_startup_heap  # noqa: E402
+
+freeze_startup_heap()

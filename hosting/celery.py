@@ -4,6 +4,8 @@ import os
 from celery import Celery
 from celery.signals import celeryd_after_setup, worker_ready
 
+from .process import freeze_startup_heap
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hosting.settings")
 
 app = Celery("hosting")
@@ -30,3 +32,4 @@ def _load_runtimes(**kwargs):
             runtime_class(kind)
         except Exception as exc:
             logging.getLogger(__name__).warning("runtime kind %s cannot be loaded: %s", kind, type(exc).__name__)
+    freeze_startup_heap()
