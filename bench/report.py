@@ -23,6 +23,7 @@ class Row:
     p99: float | None = None
     max: float | None = None
     value: float | None = None  # a rate, a ratio, a count
+    value_unit: str = ""  # of `value` when it differs from `unit` (a rate beside latencies: "/s")
     n: int = 0  # how many samples the figures summarise
     errors: int = 0
     error_samples: list[str] = field(default_factory=list)
@@ -84,7 +85,8 @@ def markdown_table(rows: list[Row]) -> str:
             continue
         cells = [_fmt(row.p50), _fmt(row.p95), _fmt(row.p99)]
         cells = [c + unit if c else "" for c in cells]
-        value = _fmt(row.value) + unit if row.value is not None else ""
+        value_unit = row.value_unit or unit
+        value = _fmt(row.value) + value_unit if row.value is not None else ""
         out.append(
             f"| {row.scenario} | {row.name} | {' | '.join(cells)} | {value} | {row.errors} | {row.target} | {row.status} |"
         )

@@ -36,7 +36,7 @@ def latency_row(scenario: str, name: str, seconds: list[float], *, errors: Error
         p95=stats.get("p95", 0) * MS if stats else None,
         p99=stats.get("p99", 0) * MS if stats else None,
         max=stats.get("max", 0) * MS if stats else None,
-        value=rate, n=stats.get("n", 0),
+        value=rate, value_unit="/s" if rate is not None else "", n=stats.get("n", 0),
         errors=errors.count if errors else 0, error_samples=list(errors.samples) if errors else [],
         **kw,
     )
