@@ -161,7 +161,7 @@ class Bench:
             inproc[mode] = data
             lat = {key: value * MS for key, value in data.get("latency", {}).items() if key != "n"}
             self.add(Row("2", label, "ms", p50=lat.get("p50"), p95=lat.get("p95"), p99=lat.get("p99"),
-                         max=lat.get("max"), value=data.get("rate"), n=data.get("turns", 0),
+                         max=lat.get("max"), value=data.get("rate"), value_unit="/s", n=data.get("turns", 0),
                          errors=data.get("errors", 0), error_samples=data.get("errorSamples", []),
                          note="sequential, one thread; rate in turns/s"))
         reference = inproc["host"].get("rate") or 0
