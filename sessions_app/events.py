@@ -150,6 +150,53 @@ class _NotifyHub:
                         wake.deliver(items)
 
 
+class _PublishBatcher:
+    """Writes the publications of every turn on one event loop together: one pipeline per
+    Redis round trip, whatever the number of turns publishing (one pipeline per event and
+    turn was most of a worker's CPU with hundreds of streaming turns). A caller waits until
+    its events are written, so each turn's events stay in order."""
+
+    def __init__(self, client):
+        self.client = client
+        self.pending: list[tuple[str, list[tuple[int, dict]], asyncio.Future]] = []
+        self.writer: asyncio.Task | None = None
+
+    async def publish(self, turn_id: str, batch: list[tuple[int, dict]]) -> None:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self.pending.append((turn_id, batch, done))
+        if self.writer is None or self.writer.done():
+            self.writer = loop.create_task(self._write())
+        await done
+
+    async def _write(self) -> None:
+        while self.pending:  # what arrives during a round trip goes in the next pipeline
+            work, self.pending = self.pending, []
+            pipe = self.client.pipeline(transaction=False)
+            for turn_id, batch, _ in work:
+                for seq, event in batch:
+                    pipe.xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
+                pipe.publish(_notify_channel(turn_id), json.dumps(batch))
+            try:
+                results = await pipe.execute(raise_on_error=False)
+            except Exception as exc:  # the connection failed: every caller of this round learns it
+                for _, _, done in work:
+                    if not done.done():
+                        done.set_exception(exc)
+                continue
+            position = 0
+            for _, batch, done in work:
+                mine = results[position : position + len(batch) + 1]
+                position += len(batch) + 1
+                failed = next((r for r in mine if isinstance(r, Exception)), None)
+                if done.done():
+                    continue  # its caller was cancelled meanwhile
+                if failed is not None:
+                    done.set_exception(failed)
+                else:
+                    done.set_result(None)
+
+
 class RedisEvents:
     def __init__(self, url: str):
         import redis
@@ -164,6 +211,7 @@ class RedisEvents:
         )
         self._async: dict[asyncio.AbstractEventLoop, object] = {}
         self._hubs: dict[asyncio.AbstractEventLoop, _NotifyHub] = {}
+        self._batchers: dict[asyncio.AbstractEventLoop, _PublishBatcher] = {}
         self._lock = threading.Lock()
 
     def aclient(self):
@@ -188,11 +236,13 @@ class RedisEvents:
 
     # events
     async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]]) -> None:
-        pipe = self.aclient().pipeline(transaction=False)
-        for seq, event in batch:
-            pipe.xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
-        pipe.publish(_notify_channel(turn_id), json.dumps(batch))
-        await pipe.execute()
+        loop = asyncio.get_running_loop()
+        batcher = self._batchers.get(loop)
+        if batcher is None:
+            client = self.aclient()
+            with self._lock:
+                batcher = self._batchers.setdefault(loop, _PublishBatcher(client))
+        await batcher.publish(turn_id, batch)
 
     def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
         pipe = self.sync.pipeline(transaction=False)
