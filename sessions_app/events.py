@@ -214,34 +214,31 @@ class RedisEvents:
         self._batchers: dict[asyncio.AbstractEventLoop, _PublishBatcher] = {}
         self._lock = threading.Lock()
 
+    def _per_loop(self, registry: dict, make):
+        """This loop's entry of `registry`, made once (asyncio objects belong to one loop)."""
+        loop = asyncio.get_running_loop()
+        item = registry.get(loop)
+        if item is None:
+            made = make()  # outside the lock: making a hub or batcher takes aclient()
+            with self._lock:
+                item = registry.setdefault(loop, made)
+        return item
+
     def aclient(self):
         """The asyncio client of the running loop (redis-py asyncio clients are per loop)."""
         import redis.asyncio as aredis
 
-        loop = asyncio.get_running_loop()
-        client = self._async.get(loop)
-        if client is None:
-            with self._lock:
-                client = self._async.get(loop)
-                if client is None:
-                    # No read timeout: redis-py 8 would otherwise give up on a read after 5 s.
-                    client = aredis.Redis(
-                        connection_pool=aredis.BlockingConnectionPool.from_url(
-                            self.url, max_connections=settings.REDIS_POOL_MAX, timeout=30,
-                            decode_responses=True, socket_timeout=None, socket_connect_timeout=5,
-                        )
-                    )
-                    self._async[loop] = client
-        return client
+        # No read timeout: redis-py 8 would otherwise give up on a read after 5 s.
+        return self._per_loop(self._async, lambda: aredis.Redis(
+            connection_pool=aredis.BlockingConnectionPool.from_url(
+                self.url, max_connections=settings.REDIS_POOL_MAX, timeout=30,
+                decode_responses=True, socket_timeout=None, socket_connect_timeout=5,
+            )
+        ))
 
     # events
     async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]]) -> None:
-        loop = asyncio.get_running_loop()
-        batcher = self._batchers.get(loop)
-        if batcher is None:
-            client = self.aclient()
-            with self._lock:
-                batcher = self._batchers.setdefault(loop, _PublishBatcher(client))
+        batcher = self._per_loop(self._batchers, lambda: _PublishBatcher(self.aclient()))
         await batcher.publish(turn_id, batch)
 
     def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
@@ -257,12 +254,7 @@ class RedisEvents:
 
     def watch(self, turn_id: str):
         """An async context giving a Watcher that is handed the turn's new events as published."""
-        loop = asyncio.get_running_loop()
-        hub = self._hubs.get(loop)
-        if hub is None:
-            client = self.aclient()
-            with self._lock:
-                hub = self._hubs.setdefault(loop, _NotifyHub(client))
+        hub = self._per_loop(self._hubs, lambda: _NotifyHub(self.aclient()))
         return hub.watch(_notify_channel(turn_id))
 
     def read_all_sync(self, turn_id: str) -> list[tuple[int, dict]]:
