@@ -42,7 +42,7 @@ test: $(STAMP)
 
 # The bench gets PostgreSQL + Redis like the suite (scripts/services.sh).
 bench: $(STAMP)
-	$(if $(FULL),FULL=$(FULL) )scripts/services.sh -- $(BIN)/python -m bench
+	$(if $(FULL),FULL=$(FULL) )AAP_SERVICES_OWN_REDIS=1 scripts/services.sh -- $(BIN)/python -m bench
 
 migrate: $(STAMP)
 	$(BIN)/python manage.py migrate --noinput

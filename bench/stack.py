@@ -147,7 +147,9 @@ class BenchStack:
     def flush_redis(self) -> None:
         import redis
 
-        redis.Redis.from_url(self.redis_url).flushdb()
+        # Only a Redis that scripts/services.sh started for this run is flushed.
+        if "redis" in os.environ.get("AAP_SERVICES_STARTED", "").split():
+            redis.Redis.from_url(self.redis_url).flushdb()
 
     # --- processes ----------------------------------------------------------------------
 

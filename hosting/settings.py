@@ -141,6 +141,10 @@ if DATABASE_URL:
             "max_size": env_int("DATABASE_POOL_MAX", 20),
             "timeout": env_float("DATABASE_POOL_TIMEOUT", 30.0),
         }
+    # The test runner's database; scripts/test.sh makes it unique per run so two checkouts'
+    # suites can share one PostgreSQL server.
+    if os.environ.get("DATABASE_TEST_NAME"):
+        DATABASES["default"]["TEST"] = {"NAME": os.environ["DATABASE_TEST_NAME"]}
 else:
     # Embedded default for local runs only: one SQLite file under var/.
     VAR_DIR.mkdir(parents=True, exist_ok=True)

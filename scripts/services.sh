@@ -30,7 +30,9 @@
 # (globs searched after PATH; default "/usr/lib/postgresql/*/bin /usr/local/pgsql/bin"),
 # AAP_REDIS_SERVER (path of redis-server; default: looked up in PATH),
 # AAP_SERVICES_USER (non-root user that runs a throwaway PostgreSQL when run as root;
-# default postgres, else nobody), AAP_SERVICES_QUIET=1.
+# default postgres, else nobody), AAP_SERVICES_QUIET=1, AAP_SERVICES_OWN_REDIS=1 (with
+# REDIS_URL unset: always start a throwaway Redis on a free port, so nothing touches a Redis
+# someone else uses; the suite and the bench do this).
 
 # shellcheck disable=SC2154  # the _aap_u_* variables are assigned by eval of `_aap_py info`
 
@@ -453,6 +455,12 @@ aap_services_up() {
         fi
     fi
     export DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/aap}
+    if [[ -z "${REDIS_URL:-}" && "${AAP_SERVICES_OWN_REDIS:-0}" == 1 && $mode != check ]]; then
+        # A free local port: the probe finds nothing there, so a throwaway server starts.
+        local own_port
+        own_port=$(_aap_py port 0) || { _aap_err "no free TCP port on 127.0.0.1"; return 1; }
+        export REDIS_URL="redis://127.0.0.1:$own_port/0"
+    fi
     export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/15}
     AAP_SERVICES_STARTED=${AAP_SERVICES_STARTED:-}
     AAP_SERVICES_DIR=${AAP_SERVICES_DIR:-}

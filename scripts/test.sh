@@ -5,9 +5,14 @@
 #   scripts/test.sh -k meta -x      # any pytest arguments
 #   make test ARGS='-m "not e2e"'
 #
-# DATABASE_URL / REDIS_URL default to postgres://postgres@127.0.0.1:5432/aap and
-# redis://127.0.0.1:6379/15; throwaway servers are started when nothing answers there
-# (see scripts/services.sh). pytest-django creates and drops test_<name> itself.
+# Safe beside anything else on the machine (another checkout's suite, `make run`):
+# - PostgreSQL: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/aap, a throwaway
+#   server when nothing answers) only hosts the test database, whose name is unique to this
+#   run (DATABASE_TEST_NAME, default test_aap_<checkout>_<pid>); pytest-django creates and
+#   drops it.
+# - Redis: unless REDIS_URL is given, the suite starts a throwaway redis-server of its own on a
+#   free port and stops it at the end. A REDIS_URL you give must be a database reserved for
+#   the suite: it is used as is and never flushed.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -34,7 +39,13 @@ unset OPENAI_API_KEY OPENAI_BASE_URL OPENAI_MODEL OPENAI_ORG_ID OPENAI_PROJECT_I
 
 # --- PostgreSQL and Redis (exports DATABASE_URL, REDIS_URL; stops throwaways on exit) --
 export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/aap}"
-export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/15}"
+checkout_id=$(printf '%s' "$ROOT" | cksum | cut -d' ' -f1)
+export DATABASE_TEST_NAME="${DATABASE_TEST_NAME:-test_aap_${checkout_id}_$$}"
+# The suite only needs the server: no database is created for DATABASE_URL's own name.
+export AAP_SERVICES_CREATEDB=0
+if [[ -z "${REDIS_URL:-}" ]]; then
+    export AAP_SERVICES_OWN_REDIS=1
+fi
 # shellcheck source=scripts/services.sh
 source "$ROOT/scripts/services.sh" || {
     echo "test.sh: FAILED: PostgreSQL and Redis are required and could not be provided (see above)." >&2
