@@ -120,3 +120,38 @@ def pytest_collection_modifyitems(items):
     # here drives processes that use it, so all of them do (reads only, inside a rollback).
     for item in items:
         item.add_marker(pytest.mark.django_db)
+
+
+CHROMIUM = os.environ.get("AAP_CHROMIUM", "/usr/bin/chromium")
+# Flags for a headless Chromium on a machine without a network beyond loopback.
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
+    "--disable-background-networking", "--disable-component-update",
+]
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """A headless Debian Chromium driven by Playwright; skipped (with the reason) when absent.
+
+    `.ci/run` installs Chromium and sets AAP_REQUIRE_BROWSER=1, so there a missing browser
+    fails the run instead of skipping.
+    """
+    reason = None
+    if not os.path.exists(CHROMIUM):
+        reason = f"Chromium is not installed at {CHROMIUM} (apt-get install chromium, or set AAP_CHROMIUM)"
+    else:
+        try:
+            from playwright.sync_api import sync_playwright
+        except ImportError:
+            reason = "the playwright package is not installed (make test installs the test extras)"
+    if reason:
+        if os.environ.get("AAP_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"browser tests are required here (AAP_REQUIRE_BROWSER=1) but {reason}")
+        pytest.skip(reason)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
