@@ -18,6 +18,7 @@ from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
 from agents.selectors import agent_definition, server_tool_specs
 from hosting import crypto
 from hosting.errors import BadRequest, Conflict, NotFound
+from hosting.logs import bind_log_context
 
 from . import events, host, turn_store
 from .models import Message, Session, Turn, new_turn_id
@@ -453,6 +454,7 @@ def turn_execute(turn_id: str) -> None:
     session = turn_store.session_for_turn(claimed.session_pk)
     if session is None:
         return
+    bind_log_context(tenant=session.tenant_name, session=session.public_id)
     try:
         plan, compacted = _plan(turn_id, claimed, session)
         if time.monotonic() - claimed_at > 1.0:
