@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand
 
-from agents.services import demo_seed
+from agents.demo import demo_seed
 
 
 class Command(BaseCommand):
