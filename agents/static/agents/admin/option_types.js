@@ -15,15 +15,17 @@
     var shown = SHOWN[select.value] || SHOWN.text;
     TOGGLED.forEach(function (name) {
       form.querySelectorAll(".field-" + name).forEach(function (row) {
-        row.hidden = shown.indexOf(name) < 0;
+        row.style.display = shown.indexOf(name) < 0 ? "none" : "";
       });
     });
   }
 
+  var bound = new WeakSet();  // not an attribute: the "Add another" template is cloned with its attributes
+
   function bind(root) {
     root.querySelectorAll("select[data-option-type]").forEach(function (select) {
-      if (select.dataset.bound) return;
-      select.dataset.bound = "1";
+      if (bound.has(select)) return;
+      bound.add(select);
       select.addEventListener("change", function () { update(select); });
       update(select);
     });
