@@ -380,3 +380,34 @@ def test_init_says_in_one_sentence_when_the_database_is_missing(deployment):
     assert "has no database" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
+
+
+def test_the_readme_deploy_steps_name_services_roles_and_files_that_exist():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Deploy with Docker Compose"):]
+    section = section[: section.index("\n## ", 4)]
+    block = section[section.index("```sh") + 5: section.index("```", section.index("```sh") + 5)]
+    services, roles = compose()["services"], entrypoint_roles()
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
+    assert commands[0] == "cp .env.example .env" and (ROOT / ".env.example").is_file()
+    seen_first_run = False
+    for command in commands:
+        words = command.split()
+        if words[:2] == ["docker", "compose"]:
+            if "run" in words:
+                service = words[words.index("--rm") + 1]
+                assert service in services, command
+                role = words[words.index(service) + 1]
+                assert role in roles, command
+                seen_first_run |= role == "first-run"
+            if "exec" in words:
+                assert words[words.index("exec") + 1] in services, command
+        for word in words:
+            if word.startswith("deploy/"):
+                assert (ROOT / word).is_file(), command
+    assert seen_first_run, "the walk-through creates the first tenant"
+    # The agents file the walk-through edits is the one the init service mounts.
+    assert services["init"]["volumes"][0].startswith("./deploy/agents.yaml:")
+    # Every setting the deploy section names is one .env.example documents.
+    named = set(re.findall(r"`([A-Z][A-Z0-9_]{3,})`", section))
+    assert named <= env_example(), sorted(named - env_example())
