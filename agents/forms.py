@@ -20,6 +20,7 @@ from hosting import crypto
 
 from .models import Agent, AgentOption, ServerTool
 from .runtimes import RUNTIME_KINDS, runtime_class
+from .validation import model_source_error
 
 # Shown beside the runtime configuration: a working starting point per kind.
 CONFIG_EXAMPLES = {
@@ -78,7 +79,7 @@ def runtime_config_help() -> str:
     )
     return format_html(
         "A JSON object, validated against the schema of the runtime kind. "
-        "An <b>openai</b> agent needs a model: <code>\"model\"</code> here or a <i>model</i> option with a default."
+        "An <b>openai</b> agent needs a model: <code>\"model\"</code> here or an option named <i>model</i>."
         "{}", items,
     )
 
@@ -169,29 +170,13 @@ class AgentOptionForm(forms.ModelForm):
                 self.data[self.add_prefix(name)] = ""
 
 
-def model_source_error(runtime_kind: str, runtime_config, options: list[dict]) -> str | None:
-    """Why an agent of this kind could not run a turn for want of a model, or None."""
-    if runtime_kind != "openai":
-        return None
-    config = runtime_config if isinstance(runtime_config, dict) else {}
-    if str(config.get("model") or "").strip():
-        return None
-    for option in options:
-        if option.get("name") == "model" and str(option.get("default") or "").strip():
-            return None
-    return (
-        "An openai agent needs a model to call: put \"model\" in the runtime configuration "
-        "(e.g. {\"model\": \"gpt-4o-mini\"}) or add a text option named 'model' with a default."
-    )
-
-
 class AgentOptionFormSet(forms.BaseInlineFormSet):
     """The options of one agent, checked together with the agent's runtime."""
 
     def clean(self):
         super().clean()
         options = [
-            {"name": form.cleaned_data.get("name"), "default": form.cleaned_data.get("default")}
+            {"name": form.cleaned_data.get("name")}
             for form in self.forms
             if getattr(form, "cleaned_data", None) and not form.cleaned_data.get("DELETE")
         ]

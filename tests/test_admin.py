@@ -218,8 +218,8 @@ def test_an_openai_agent_without_a_model_is_refused_at_save_time(admin_client, d
     assert "An openai agent needs a model to call" in response.content.decode()
     assert not Agent.objects.filter(name=name).exists()
 
-    # Either source of a model is enough.
-    data = agent_form(name, option={"type": "text", "name": "model", "default": "gpt-4o-mini"})
+    # Either source of a model is enough (a model option the application may set, or the configuration).
+    data = agent_form(name, option={"type": "text", "name": "model", "default": ""})
     data.update(runtime_kind="openai", runtime_config="{}")
     assert admin_client.post("/admin/agents/agent/add/", data).status_code == 302
     other = f"t16-llm-{uuid.uuid4().hex[:6]}"
@@ -271,3 +271,16 @@ def test_a_sessions_page_shows_its_conversation(admin_client, db_access, demo):
     assert html.count('class="aap-stop-reason">end_turn<') == 2
     assert first.turn_id in html and second.turn_id in html
     assert "LLM usage" in html
+
+
+def test_an_agents_file_with_an_openai_agent_without_a_model_is_refused(db_access):
+    from agents.models import Agent
+    from agents.services import AgentFileError, agents_apply
+
+    name = f"t16-file-{uuid.uuid4().hex[:6]}"
+    entry = {"name": name, "runtime": {"kind": "openai", "config": {"systemPrompt": "Hi."}}}
+    with pytest.raises(AgentFileError, match=f"Agent '{name}': An openai agent needs a model to call"):
+        agents_apply([entry])
+    assert not Agent.objects.filter(name=name).exists()
+    agents_apply([{**entry, "options": [{"type": "text", "name": "model", "default": "gpt-4o-mini"}]}])
+    assert Agent.objects.filter(name=name, runtime_kind="openai").exists()
