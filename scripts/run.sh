@@ -28,6 +28,8 @@ if [[ ! -x "$PY" ]]; then
 fi
 
 say() { printf '==> %s\n' "$*" >&2; }
+# Logs for a terminal: text lines with tenant/session/turn ids (containers default to JSON lines).
+export LOG_FORMAT=${LOG_FORMAT:-plain}
 
 # --- Database and demo data ------------------------------------------------------------
 if [[ -n "${DATABASE_URL:-}" ]]; then
