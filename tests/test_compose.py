@@ -12,6 +12,7 @@ pass with a public-only ALLOWED_HOSTS.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import re
 import signal
@@ -253,9 +254,9 @@ class Deployment:
         return subprocess.run([str(ROOT / "deploy" / "entrypoint.sh"), *args], env=self.env, cwd=ROOT,
                               capture_output=True, text=True, timeout=180)
 
-    def start(self, role: str, *args: str) -> subprocess.Popen:
+    def start(self, role: str, *args: str, **env: str) -> subprocess.Popen:
         log = open(self.log_dir / f"deploy-{role}.log", "ab")
-        proc = subprocess.Popen([str(ROOT / "deploy" / "entrypoint.sh"), role, *args], env=self.env, cwd=ROOT,
+        proc = subprocess.Popen([str(ROOT / "deploy" / "entrypoint.sh"), role, *args], env={**self.env, **env}, cwd=ROOT,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
         return proc
@@ -411,3 +412,33 @@ def test_the_readme_deploy_steps_name_services_roles_and_files_that_exist():
     # Every setting the deploy section names is one .env.example documents.
     named = set(re.findall(r"`([A-Z][A-Z0-9_]{3,})`", section))
     assert named <= env_example(), sorted(named - env_example())
+
+
+def test_the_beat_role_logs_its_sweeps_at_debug_and_its_healthcheck_follows_its_file(deployment):
+    # At DEBUG, to see the sweeps it sends: each line about one must say DEBUG, never INFO.
+    beat = deployment.start("beat", LOG_LEVEL="DEBUG")
+    var = Path(deployment.env["HOSTING_VAR_DIR"])
+    deadline = time.monotonic() + 60
+    while not list(var.glob("celerybeat-schedule*")):
+        assert beat.poll() is None, deployment.log("beat")[-3000:]
+        assert time.monotonic() < deadline, "beat wrote no schedule file"
+        time.sleep(0.3)
+    assert deployment.healthcheck("beat").returncode == 0
+
+    def sweep_lines() -> list[dict]:
+        lines = [json.loads(line) for line in deployment.log("beat").splitlines() if line.startswith("{")]
+        return [line for line in lines if "sweep" in line.get("message", "")]
+
+    while not sweep_lines():  # due every 10 s
+        assert beat.poll() is None, deployment.log("beat")[-3000:]
+        assert time.monotonic() < deadline + 30, "beat sent no sweep"
+        time.sleep(0.5)
+    assert {line["level"] for line in sweep_lines()} == {"DEBUG"}
+
+    os.killpg(beat.pid, signal.SIGTERM)
+    beat.wait(20)
+    old = time.time() - 3600
+    for path in var.glob("celerybeat-schedule*"):
+        os.utime(path, (old, old))
+    stale = deployment.healthcheck("beat")
+    assert stale.returncode == 1 and "not been written" in stale.stderr
