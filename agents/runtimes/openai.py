@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import openai
 
-from sessions_app.protocol import content_images, content_text, fold, image_kind
+from aap.messages import content_images, content_text, fold, image_kind
 
 from .base import AgentError, Compaction, Runtime, StopReason, ToolCall, TurnContext, new_tool_call_id
 
