@@ -60,8 +60,9 @@ def _keep_token(path: Path, raw: str) -> None:
 
 
 @transaction.atomic
-def demo_seed(*, assistant: bool = False) -> DemoSeed:
-    """Create the demo tenant and agents that do not exist yet and return a working demo token."""
+def demo_seed(*, assistant: bool = False, token: bool = True) -> DemoSeed:
+    """Create the demo tenant and agents that do not exist yet and return a working demo
+    token (`token=False`: no token is looked up or minted; `DemoSeed.token` is empty)."""
     entries = [ECHO_AGENT]
     if assistant:
         from .services import assistant_agent_entry
@@ -78,6 +79,8 @@ def demo_seed(*, assistant: bool = False) -> DemoSeed:
     kept += [f"agent {name}" for name in sorted(existing)]
 
     path = demo_token_file()
+    if not token:
+        return DemoSeed("", path, False, created=created, kept=kept)
     raw = _read_kept_token(path, tenant)
     if raw is not None:
         return DemoSeed(raw, path, True, created=created, kept=kept)

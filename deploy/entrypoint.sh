@@ -34,8 +34,8 @@ init() {
         say "init: no agents file at $AGENTS_FILE (mount one there, or set AAP_AGENTS_FILE); agents unchanged"
     fi
     if truthy "${AAP_SEED_DEMO:-false}"; then
-        # The demo tenant's token is not printed here: create one with create_token demo.
-        manage seed_demo | sed '$d'
+        # No token here (it would land in the container's log): create one with create_token demo.
+        manage seed_demo --no-token
     fi
 }
 

@@ -250,8 +250,8 @@ class Deployment:
     def __init__(self, env: dict, log_dir: Path):
         self.env, self.log_dir, self.procs = env, log_dir, []
 
-    def run(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(ROOT / "deploy" / "entrypoint.sh"), *args], env=self.env, cwd=ROOT,
+    def run(self, *args: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(ROOT / "deploy" / "entrypoint.sh"), *args], env={**self.env, **env}, cwd=ROOT,
                               capture_output=True, text=True, timeout=180)
 
     def start(self, role: str, *args: str, **env: str) -> subprocess.Popen:
@@ -372,6 +372,16 @@ def test_the_deployment_serves_the_mounted_agents_and_its_first_tenant(deploymen
     assert httpx.get(deployment.base_url + "/healthz", timeout=5).status_code == 400
     assert token not in deployment.log("web") + deployment.log("worker")
 
+
+
+def test_init_seeds_the_demo_on_request_without_printing_a_token(deployment):
+    result = deployment.run("init", AAP_SEED_DEMO="true")
+    assert result.returncode == 0, result.stderr
+    assert not re.search(r"aap_[0-9a-f]{8}_", result.stdout + result.stderr), "no token in a container's log"
+    count = deployment.run("python", "manage.py", "shell", "-v", "0", "-c",
+                           "from hosting.models import ApiToken, Tenant;"
+                           "print(Tenant.objects.filter(name='demo').count(), ApiToken.objects.filter(tenant__name='demo').count())")
+    assert count.stdout.split() == ["1", "0"], count.stderr
 
 def test_init_says_in_one_sentence_when_the_database_is_missing(deployment):
     env = dict(deployment.env, DATABASE_URL=deployment.env["DATABASE_URL"] + "_absent", AAP_DATABASE_WAIT_SECONDS="1")
