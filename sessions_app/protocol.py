@@ -8,6 +8,7 @@ accepted JSON is stored exactly as sent (history is byte-for-byte what was accep
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable
 
@@ -46,13 +47,42 @@ class StrictBooleanField(serializers.BooleanField):
         return data
 
 
-@extend_schema_field(OpenApiTypes.OBJECT)
+def unstorable(value, path: str = "") -> str | None:
+    """Where `value` holds JSON that PostgreSQL's jsonb refuses, as a sentence; None if none.
+
+    jsonb cannot hold the NUL character (`\\u0000`) in a string or key, nor a number that is
+    not finite (`1e400` reads as infinity); anything else JSON can say, it can store.
+    """
+    if isinstance(value, str):
+        return f"{path or 'the value'} contains the NUL character (\\u0000)" if "\x00" in value else None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{path or 'the value'} is a number too large to store"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if "\x00" in str(key):
+                return f"a key in {path or 'the object'} contains the NUL character (\\u0000)"
+            found = unstorable(item, where)
+            if found:
+                return found
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            found = unstorable(item, f"{path}[{index}]")
+            if found:
+                return found
+    return None
+
+
+@extend_schema_field({"type": "object", "additionalProperties": True})
 class JSONObjectField(serializers.Field):
     default_error_messages = {"invalid": "Must be a JSON object."}
 
     def to_internal_value(self, data):
         if not isinstance(data, dict):
             self.fail("invalid")
+        problem = unstorable(data)
+        if problem:
+            raise serializers.ValidationError(f"Cannot be stored: {problem}.")
         return data
 
     def to_representation(self, value):

@@ -1,5 +1,7 @@
 """AAP v3 endpoints. Thin: validate with a protocol serializer, call one service, answer."""
 
+import re
+
 from django.conf import settings
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -116,12 +118,13 @@ class TurnsView(APIView):
     def post(self, request, session_id):
         data = _validated(protocol.TurnRequestSerializer, request.data)
         turn = services.turn_start(tenant=request.user.tenant, session_id=session_id, data=data)
-        return turn_response(turn.id, turn.stream)
+        return turn_response(turn.id, turn.stream, token_id=request.auth.pk)
 
 
 def _last_event_id(request) -> int:
     raw = request.headers.get("Last-Event-ID") or request.query_params.get("after") or "0"
-    if not raw.isdigit():
+    # ASCII digits only: str.isdigit() also accepts "²", which int() refuses.
+    if not re.fullmatch(r"[0-9]{1,18}", raw):
         raise BadRequest("Last-Event-ID must be the number of the last event you received (its 'id:').")
     return int(raw)
 
@@ -150,7 +153,7 @@ class TurnEventsView(APIView):
             if last[1].get("event") == "turn_stop" and last[0] <= after:
                 # The reader has everything: 204 tells an EventSource to stop reconnecting.
                 return Response(status=status.HTTP_204_NO_CONTENT)
-        return turn_response(turn.id, "delta" if turn.stream == "delta" else "message", after=after)
+        return turn_response(turn.id, "delta" if turn.stream == "delta" else "message", after=after, token_id=request.auth.pk)
 
 
 class TurnCancelView(APIView):
