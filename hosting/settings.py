@@ -250,10 +250,10 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
-    "APPEND_COMPONENTS": {
-        "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
-    },
-    "SECURITY": [{"bearerAuth": []}],
+    # 3.1: schemas are JSON Schema 2020-12 (the SSE events' contentSchema needs it).
+    "OAS_VERSION": "3.1.0",
+    # Bearer auth (hosting.openapi.BearerTokenScheme), wire shapes, streams, links, common errors.
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "hosting.openapi.postprocess"],
 }
 
 CORS_ALLOWED_ORIGINS = env_list("CORS_ALLOWED_ORIGINS")

@@ -67,10 +67,7 @@ class SessionsView(APIView):
 
     @extend_schema(
         summary="List sessions, newest first",
-        parameters=[
-            OpenApiParameter("after", OpenApiTypes.STR, description="The `next` cursor of the previous page."),
-            OpenApiParameter("limit", OpenApiTypes.INT, description="1 to 100 (default 20)."),
-        ],
+        parameters=[protocol.SessionListQuerySerializer],
         responses={200: protocol.SessionListSerializer, **ERRORS},
     )
     def get(self, request):
@@ -92,7 +89,7 @@ class SessionView(APIView):
 class HistoryView(APIView):
     @extend_schema(
         summary="Read a session's history",
-        parameters=[OpenApiParameter("type", OpenApiTypes.STR, enum=["compacted", "full"], required=True)],
+        parameters=[protocol.HistoryQuerySerializer],
         responses={200: protocol.HistorySerializer, **ERRORS},
     )
     def get(self, request, session_id):
@@ -132,7 +129,12 @@ def _last_event_id(request) -> int:
 class TurnEventsView(APIView):
     @extend_schema(
         summary="Re-attach to a turn's events",
-        parameters=[OpenApiParameter("Last-Event-ID", OpenApiTypes.INT, OpenApiParameter.HEADER)],
+        parameters=[
+            OpenApiParameter("Last-Event-ID", {"type": "integer", "minimum": 0, "maximum": 10**18 - 1}, OpenApiParameter.HEADER,
+                             description="The id of the last event received (default 0: from the start)."),
+            OpenApiParameter("after", {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
+                             description="Same as Last-Event-ID, for clients that cannot set headers."),
+        ],
         responses={
             200: OpenApiResponse(description="text/event-stream of the events after Last-Event-ID"),
             204: OpenApiResponse(description="The reader already has the turn's turn_stop."),
@@ -157,7 +159,7 @@ class TurnEventsView(APIView):
 
 
 class TurnCancelView(APIView):
-    @extend_schema(summary="Cancel a running turn", request=None, responses={202: OpenApiTypes.OBJECT, **ERRORS})
+    @extend_schema(summary="Cancel a running turn", request=None, responses={202: protocol.TurnCancelSerializer, **ERRORS})
     def post(self, request, session_id, turn_id):
         turn = services.turn_cancel(tenant=request.user.tenant, session_id=session_id, turn_id=turn_id)
         return Response({"turnId": turn.id, "cancelling": turn.status != Turn.DONE}, status=status.HTTP_202_ACCEPTED)
