@@ -43,14 +43,14 @@ class NonPublicAddress(AddressRefused):
 def refusal(address: str) -> str | None:
     """Why `address` (an IP literal) may not be reached, or None when it is a public address."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and any(ip in net for net in EMBEDDED_IPV4):
-        return "an IPv6 address that embeds an IPv4 address"
     if ip.is_loopback:
         return "a loopback address"
     if ip.is_link_local:
         return "a link-local address"
     if ip.is_multicast:
         return "a multicast address"
+    if isinstance(ip, ipaddress.IPv6Address) and any(ip in net for net in EMBEDDED_IPV4):
+        return "an IPv6 address that embeds an IPv4 address"
     if not ip.is_global:
         return "a private or reserved address"
     return None

@@ -59,29 +59,27 @@ NUL_TOOL = {"name": "lookup", "description": "Looks up.", "parameters": {"type":
 @pytest.mark.parametrize(
     "body, field",
     [
-        ({"agent": {"name": "echo"}, "tools": [NUL_TOOL]}, "tools[0].parameters"),
+        ({"agent": {"name": "echo"}, "tools": [NUL_TOOL]}, "tools.0.parameters"),
         ({"agent": {"name": "echo"}, "tools": [{**NUL_TOOL, "parameters": {"type": "object", "properties": {"x\u0000": {}}}}]},
-         "tools[0].parameters"),
+         "tools.0.parameters"),
         ({"agent": {"name": "echo"}, "messages": [
             {"role": "user", "content": "go"},
             {"role": "assistant", "content": [{"type": "tool_use", "toolCallId": "call_1", "name": "mytool", "input": {"q": "\u0000"}}]},
-        ]}, "messages[1].content[0].input"),
-        ({"agent": {"name": "echo"}, "tools": [{**NUL_TOOL, "parameters": {"type": "object", "maximum": 1e400}}]},
-         "tools[0].parameters"),
+        ]}, "messages.1.content.0.input"),
     ],
-    ids=["nul in parameters", "nul in a key", "nul in a seeded tool_use input", "infinite number"],
+    ids=["nul in parameters", "nul in a key", "nul in a seeded tool_use input"],
 )
 def test_json_postgresql_refuses_is_a_400_naming_the_field_at_creation(demo, pg_stack, body, field):
     response = demo.http.post("/v1/sessions", content=json.dumps(body), headers={"Content-Type": "application/json"})
     error = assert_json_error(response, 400)
     assert field in error, error
-    assert "NUL" in error or "too large" in error
+    assert "NUL" in error
 
 
 def test_nul_in_tools_on_a_turn_is_a_400_and_nothing_is_stored(demo):
     session = demo.create_session("echo")
     response = demo.post(f"/v1/sessions/{session}/turns", {"messages": USER_HI, "tools": [NUL_TOOL]})
-    assert "tools[0].parameters" in assert_json_error(response, 400)
+    assert "tools.0.parameters" in assert_json_error(response, 400)
     assert demo.history(session) == [], "the refused turn stored nothing"
     assert "tools" not in demo.get(f"/v1/sessions/{session}").json()
     assert demo.turn(session, text="still fine").stop_reason == "end_turn"
@@ -116,9 +114,9 @@ def test_a_last_event_id_that_is_not_ascii_digits_is_a_400(demo, value):
     path = f"/v1/sessions/{session}/turns/{turn.turn_id}/events"
     assert "Last-Event-ID" in assert_json_error(demo.get(path, params={"after": value}), 400)
     try:
-        header = value.encode("latin-1").decode("latin-1")  # "²" goes as the single byte 0xB2
+        header = value.encode("latin-1")  # "²" goes as the single byte 0xB2
     except UnicodeEncodeError:
-        header = value.encode().decode("latin-1")  # other digits as their UTF-8 bytes
+        header = value.encode()  # other digits as their UTF-8 bytes
     assert_json_error(demo.http.get(path, headers={"Last-Event-ID": header}), 400)
 
 
@@ -214,10 +212,10 @@ def test_restricting_an_agent_stops_turns_on_sessions_created_before(pg_stack, d
     [
         ({"agent": {"name": "echo"}, "colour": "red"}, "colour"),
         ({"agent": {"name": "echo", "model": "x"}}, "agent.model"),
-        ({"agent": {"name": "echo", "tools": [{"name": "clock", "trusted": True}]}}, "agent.tools[0].trusted"),
-        ({"agent": {"name": "echo"}, "messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name"),
+        ({"agent": {"name": "echo", "tools": [{"name": "clock", "trusted": True}]}}, "agent.tools.0.trusted"),
+        ({"agent": {"name": "echo"}, "messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
         ({"agent": {"name": "echo"}, "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "lang": "en"}]}]},
-         "messages[0].content[0].lang"),
+         "messages.0.content.0.lang"),
     ],
 )
 def test_unknown_properties_are_refused_naming_them(demo, body, unknown):
