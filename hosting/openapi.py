@@ -15,6 +15,15 @@ class BearerTokenScheme(OpenApiAuthenticationExtension):
         return {"type": "http", "scheme": "bearer", "description": "An API token of one tenant."}
 
 
+class EventsTicketScheme(OpenApiAuthenticationExtension):
+    target_class = "hosting.authentication.EventsTicketAuthentication"
+    name = "eventsTicket"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "apiKey", "in": "query", "name": "ticket",
+                "description": "A turn's AAP-Events-Ticket: reads that turn's events only (EventSource)."}
+
+
 OPERATION_IDS = {
     ("/v1/meta", "get"): "getMeta",
     ("/v1/sessions", "get"): "listSessions",

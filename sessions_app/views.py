@@ -11,7 +11,12 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agents.selectors import agent_info, agents_for_tenant
-from hosting.authentication import TenantUser
+from hosting.authentication import (
+    BearerTokenAuthentication,
+    EventsTicketAuthentication,
+    TenantUser,
+    turn_events_ticket,
+)
 from hosting.errors import BadRequest, NotFound
 
 from . import events, protocol, selectors, services
@@ -115,7 +120,9 @@ class TurnsView(APIView):
     def post(self, request, session_id):
         data = _validated(protocol.TurnRequestSerializer, request.data)
         turn = services.turn_start(tenant=request.user.tenant, session_id=session_id, data=data)
-        return turn_response(turn.id, turn.stream, token_id=request.auth.pk)
+        response = turn_response(turn.id, turn.stream, token_id=request.user.token.pk)
+        response["AAP-Events-Ticket"] = turn_events_ticket(request.user.token, session_id, turn.id)
+        return response
 
 
 def _last_event_id(request) -> int:
@@ -127,6 +134,9 @@ def _last_event_id(request) -> int:
 
 
 class TurnEventsView(APIView):
+    # A browser's EventSource cannot send Authorization: it re-attaches with ?ticket=.
+    authentication_classes = [BearerTokenAuthentication, EventsTicketAuthentication]
+
     @extend_schema(
         summary="Re-attach to a turn's events",
         parameters=[
@@ -134,6 +144,11 @@ class TurnEventsView(APIView):
                              description="The id of the last event received (default 0: from the start)."),
             OpenApiParameter("after", {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
                              description="Same as Last-Event-ID, for clients that cannot set headers."),
+            OpenApiParameter(
+                "ticket", OpenApiTypes.STR,
+                description="The turn's `AAP-Events-Ticket` header, for clients that cannot send "
+                "`Authorization` (a browser's EventSource). Valid for this turn only.",
+            ),
         ],
         responses={
             200: OpenApiResponse(description="text/event-stream of the events after Last-Event-ID"),
@@ -143,6 +158,9 @@ class TurnEventsView(APIView):
     )
     def get(self, request, session_id, turn_id):
         after = _last_event_id(request)
+        scope = request.user.turn_scope
+        if scope is not None and scope != (session_id, turn_id):
+            raise NotFound(f"No turn '{turn_id}' exists on session '{session_id}' for this events ticket.")
         turn = Turn.objects.filter(
             id=turn_id, session__public_id=session_id, session__tenant=request.user.tenant
         ).first()
