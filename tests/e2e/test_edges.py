@@ -308,3 +308,31 @@ def test_http_fetch_is_refused_loopback_through_the_shared_guard(encoded_server)
 
     with pytest.raises(http_fetch.ToolInputError, match="Refusing to fetch 127.0.0.1: it resolves to a loopback"):
         asyncio.run(http_fetch._http_fetch({"url": encoded_server + "/page"}, {}))
+
+
+# --- 5. a seeded pending server call runs within the tool's own limits ------------------------------
+
+
+def test_a_seeded_pending_server_call_gets_the_tools_own_guard(pg_stack, demo, target, tmp_path):
+    agent = {
+        "name": "echo-fetch", "title": "Echo with http_fetch", "version": "1.0.0", "runtime": {"kind": "echo"},
+        "tools": [{"name": "fetch", "description": "Fetches a page.", "implementation": "http_fetch"}],
+    }
+    path = tmp_path / "agents.yaml"
+    path.write_text(yaml.safe_dump({"agents": [agent]}))
+    pg_stack.manage("apply_agents", str(path))
+    target.clear()
+    seed = [
+        {"role": "user", "content": "read it"},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "toolCallId": "call_seeded", "name": "fetch", "input": {"url": target.url + "/models"}},
+        ]},
+    ]
+    response = demo.post("/v1/sessions", {"agent": {"name": "echo-fetch", "tools": [{"name": "fetch"}]}, "messages": seed})
+    assert response.status_code == 201, response.text
+    session = response.json()["sessionId"]
+    granted = [{"role": "tool_permission", "toolCallId": "call_seeded", "granted": True}]
+    result = demo.turn(session, granted, stream="message")
+    [tool_result] = [e.data for e in result.events if e.event == "tool_result"]
+    assert tool_result["content"].startswith("Error: Refusing to fetch 127.0.0.1: it resolves to a loopback")
+    assert target.requests == [], "the seeded call reached nothing the tool may not reach"
