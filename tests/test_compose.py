@@ -368,8 +368,9 @@ def test_the_deployment_serves_the_mounted_agents_and_its_first_tenant(deploymen
     for role in ("web", "worker"):
         result = deployment.healthcheck(role)
         assert result.returncode == 0, f"{role}: {result.stderr}"
-    # ...where a request naming 127.0.0.1 is refused: the Host header is what makes it pass.
-    assert httpx.get(deployment.base_url + "/healthz", timeout=5).status_code == 400
+    # ...where the API refuses a request naming 127.0.0.1.
+    assert httpx.get(deployment.base_url + "/v1/meta", headers={"Authorization": f"Bearer {token}"},
+                     timeout=5).status_code == 400
     assert token not in deployment.log("web") + deployment.log("worker")
 
 
