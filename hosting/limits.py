@@ -10,6 +10,7 @@ lost Redis never lets a tenant past its limits nor locks it out.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from functools import cache
 from django.conf import settings
 
 from .errors import ApiError
+
+logger = logging.getLogger(__name__)
 
 TURNS_WINDOW_SECONDS = 60
 AUTH_WINDOW_SECONDS = 60
@@ -193,7 +196,11 @@ def take_turn(tenant) -> None:
     quota = limits_for(tenant).turns_per_minute
     if not quota:
         return
-    taken, state = windows().take(_turns_key(tenant), quota, TURNS_WINDOW_SECONDS)
+    try:
+        taken, state = windows().take(_turns_key(tenant), quota, TURNS_WINDOW_SECONDS)
+    except Exception as exc:  # Redis is briefly away: admit (running turns stay bounded in PostgreSQL)
+        logger.warning("turns-per-minute window unavailable (%s); turn admitted", type(exc).__name__)
+        return
     tenant._aap_rate_state = RateState("turns", quota, TURNS_WINDOW_SECONDS, max(0, quota - state.count), state.reset)
     if not taken:
         raise TooManyRequests(
