@@ -58,7 +58,7 @@ class SessionsView(APIView):
     @extend_schema(
         summary="Create a session",
         request=protocol.CreateSessionSerializer,
-        responses={201: protocol.SessionIdSerializer, 429: protocol.ErrorSerializer, **ERRORS},
+        responses={201: protocol.SessionIdSerializer, **ERRORS},
     )
     def post(self, request):
         data = _validated(protocol.CreateSessionSerializer, request.data)
@@ -111,7 +111,6 @@ TURN_RESPONSES = {
         "each with an `id:`; the `AAP-Turn-Id` header names the turn.",
     ),
     409: protocol.ErrorSerializer,
-    429: protocol.ErrorSerializer,  # a tenant limit: Retry-After, RateLimit-Policy / RateLimit
     **ERRORS,
 }
 
