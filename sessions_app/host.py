@@ -43,6 +43,19 @@ logger = logging.getLogger(__name__)
 _loop_lock = threading.Lock()
 _loop: tuple[int, asyncio.AbstractEventLoop] | None = None
 _running: dict[str, asyncio.Task] = {}
+_publishers: dict[str, "_Publisher"] = {}
+
+
+def output_so_far(turn_id: str) -> list[dict] | None:
+    """What the running turn's agent produced so far, as `message`-mode events (whole
+    blocks; the last one as far as it got). None: not running here. Called from the
+    heartbeat thread: it shapes a snapshot of the list the loop appends to."""
+    publisher = _publishers.get(turn_id)
+    if publisher is None:
+        return None
+    shaper = MessageShaper("message")
+    shaped = [out for event in list(publisher.produced) for out in shaper.feed(event)]
+    return shaped + shaper.flush()
 
 
 def runtime_loop() -> asyncio.AbstractEventLoop:
@@ -279,6 +292,7 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
     lease = asyncio.create_task(_keep_lease(plan.turn_id))
     task = asyncio.current_task()
     _running[plan.turn_id] = task
+    _publishers[plan.turn_id] = publisher
     cancelled, error = False, ""
     stop_reason = "error"
     try:
@@ -304,6 +318,7 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
         stop_reason, error = "error", f"The agent failed ({type(exc).__name__})."
     finally:
         _running.pop(plan.turn_id, None)
+        _publishers.pop(plan.turn_id, None)
         lease.cancel()
     try:
         await publisher.close()

@@ -23,6 +23,16 @@ ERRORS = {
 }
 
 
+def _idempotency(request) -> tuple[str, str] | None:
+    """(Idempotency-Key, fingerprint of the request) when the client sent the header."""
+    key = request.headers.get("Idempotency-Key")
+    if key is None:
+        return None
+    if not 1 <= len(key) <= 255 or not key.isprintable() or not key.isascii():
+        raise BadRequest("Idempotency-Key must be 1 to 255 printable ASCII characters (e.g. a UUID).")
+    return key, services.request_fingerprint(request.method, request.path, request.data)
+
+
 def _validated(serializer_class, data):
     serializer = serializer_class(data=data)
     serializer.is_valid(raise_exception=True)
@@ -60,6 +70,7 @@ class SessionsView(APIView):
             agent_config=data["agent"],
             messages=data.get("messages"),
             tools=data.get("tools"),
+            idempotency=_idempotency(request),
         )
         return Response({"sessionId": session.public_id}, status=status.HTTP_201_CREATED)
 
@@ -115,7 +126,9 @@ class TurnsView(APIView):
     @extend_schema(summary="Send a turn", request=protocol.TurnRequestSerializer, responses=TURN_RESPONSES)
     def post(self, request, session_id):
         data = _validated(protocol.TurnRequestSerializer, request.data)
-        turn = services.turn_start(tenant=request.user.tenant, session_id=session_id, data=data)
+        turn = services.turn_start(
+            tenant=request.user.tenant, session_id=session_id, data=data, idempotency=_idempotency(request)
+        )
         return turn_response(turn.id, turn.stream)
 
 
