@@ -617,9 +617,10 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
             completion_tokens=outcome.completion_tokens,
             model_calls=outcome.model_calls,
         )
-        if not ended:
-            # Declared lost meanwhile, deleted with its session, or this is a retry whose
-            # first commit went through: the stream gets the stored ending if it has none.
+        reclaimed = not ended and _reclaim_declared_lost(turn_id, session_pk, outcome)
+        if not ended and not reclaimed:
+            # Deleted with its session, or this is a retry whose first commit went through
+            # (or a lost turn whose session moved on): the stream gets the stored ending.
             transaction.on_commit(lambda: publish_stop_if_missing(turn_id))
             return
         last = turn_store.close_turn_on_session(
@@ -638,7 +639,33 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
         meta = dict(outcome.stop_meta)
         if outcome.model_calls:
             meta["usage"] = {"promptTokens": outcome.prompt_tokens, "completionTokens": outcome.completion_tokens}
+        if reclaimed:
+            return  # its listeners already got the recovery's ending; history and the turn hold the truth
         transaction.on_commit(lambda: _publish_stop(turn_id, outcome.stop_reason, meta, seq=outcome.last_seq + 1))
+
+
+def _reclaim_declared_lost(turn_id: str, session_pk: int, outcome: host.TurnOutcome) -> bool:
+    """A worker finished a turn that was declared lost meanwhile (it was frozen longer than
+    the lease): its real result wins. When nothing was written to the session since, what
+    the recovery stored is taken back and the turn is running again, for _finish to end it."""
+    session = Session.objects.select_for_update().filter(pk=session_pk).first()
+    turn = Turn.objects.select_for_update().filter(id=turn_id).first()
+    if session is None or turn is None or turn.status != Turn.DONE or turn.error != LOST_ERROR:
+        return False
+    last_of_turn = Message.objects.filter(session_id=session_pk, kind=Message.FULL, turn_id=turn_id).order_by("-seq").first()
+    if session.active_turn_id is not None or last_of_turn is None or last_of_turn.seq != session.message_seq:
+        logger.warning("turn %s finished after it was declared lost and its session moved on; kept as lost", turn_id)
+        return False
+    cut = turn.output_seq or session.message_seq + 1
+    Message.objects.filter(session_id=session_pk, turn_id=turn_id, seq__gte=cut).delete()
+    Session.objects.filter(pk=session_pk).update(message_seq=cut - 1)
+    Turn.objects.filter(id=turn_id).update(status=Turn.RUNNING, stop_reason="", error="", finished_at=None, output_seq=0)
+    logger.warning("turn %s finished after it was declared lost; its real result replaces the recovered one", turn_id)
+    return turn_store.end_turn(
+        turn_id, stop_reason=outcome.stop_reason, cancelled=outcome.cancelled, error=outcome.error[:500],
+        prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
+        model_calls=outcome.model_calls,
+    )
 
 
 def _stored_stop(turn: Turn) -> tuple[str, dict]:
@@ -696,6 +723,9 @@ def turn_cancel(*, tenant, session_id: str, turn_id: str) -> Turn:
 # --- lost turns --------------------------------------------------------------------------------
 
 
+LOST_ERROR = "The worker running this turn stopped before finishing."
+
+
 def _is_lost(turn: Turn) -> bool:
     """A running turn whose PostgreSQL heartbeat is stale and whose Redis lease has lapsed.
     Queued turns are never lost: they wait for a worker, however long the queue."""
@@ -741,7 +771,7 @@ def _finalize_if_lost(turn: Turn, session: Session) -> bool:
         return False
     streamed = events.backend().read_all_sync(turn.id)
     produced, unsent = _produced_before_loss(turn, streamed)
-    message = "The worker running this turn stopped before finishing."
+    message = LOST_ERROR
     Turn.objects.filter(id=turn.id).update(
         status=Turn.DONE, stop_reason="error", error=message, finished_at=timezone.now(), partial="",
         output_seq=session.message_seq + 1 if produced else 0,

@@ -243,3 +243,32 @@ def test_burst_larger_than_the_worker_pool_waits_and_runs(chaos):
         assert outcome.body["messages"] == ticks(2)
     for session in sessions[:10]:
         assert history(chaos, session) == user("/slow 2 1500") + ticks(2)
+
+
+def test_frozen_worker_declared_lost_keeps_its_real_answer(chaos):
+    """Both workers freeze (SIGSTOP: a stalled VM, a long pause) longer than the lease while
+    a turn runs; its follower declares it lost and ends it with `error`. The workers wake
+    and the turn's worker finishes: the agent's real answer replaces the recovered part, once."""
+    chaos.ensure_up()
+    session = new_sessions(chaos, 1)[0]
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(post_turn, chaos, session, "/slow 20 300", stream="delta")
+        time.sleep(1.5)
+        for label in ("a", "b"):
+            chaos.signal_worker(label, signal.SIGSTOP)
+        try:
+            outcome = stream.result(timeout=60)  # the follower ends it while the workers are frozen
+        finally:
+            for label in ("a", "b"):
+                chaos.signal_worker(label, signal.SIGCONT)
+    assert outcome.stop()["stopReason"] == "error", outcome.raw[-300:]
+
+    def answer_in_history():
+        return history(chaos, session) == user("/slow 20 300") + ticks(20)
+
+    wait_until(answer_in_history, 60, "the worker's real answer in history")
+    assert next_turn_works(chaos, session, "awake").body["stopReason"] == "end_turn"
+    full = history(chaos, session)
+    assert full == user("/slow 20 300") + ticks(20) + user("awake") + [
+        {"role": "assistant", "content": [{"type": "text", "text": "echo: awake"}]}
+    ]
