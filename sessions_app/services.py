@@ -567,7 +567,14 @@ def turn_execute(turn_id: str) -> None:
     except Exception as exc:
         logger.warning("no Redis lease for turn %s (%s); its heartbeat stands alone", turn_id, type(exc).__name__)
     # One conditional UPDATE claims the turn: a second delivery of the task finds nothing to do.
-    claimed = _with_db_retry(turn_store.claim_turn, turn_id)
+    try:
+        claimed = _with_db_retry(turn_store.claim_turn, turn_id)
+    except DB_ERRORS:
+        try:
+            backend.clear_dispatched_sync(turn_id)  # the outbox dispatches it again once PostgreSQL is back
+        except Exception:
+            pass
+        raise
     if claimed is None:
         return
     liveness.track(turn_id, None if claimed.stream == "delta" else lambda: _output_json(turn_id))
