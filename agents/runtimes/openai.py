@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import openai
 
-from sessions_app.protocol import content_images, content_text, fold, image_kind
+from aap.messages import content_images, content_text, fold, image_kind
 
 from .base import AgentError, Compaction, Runtime, StopReason, ToolCall, TurnContext, new_tool_call_id
 
@@ -193,7 +193,12 @@ class OpenAIRuntime(Runtime):
         if not base_url.startswith(("http://", "https://")):
             raise AgentError("The base URL must start with http:// or https://.")
         api_key = options.get("apiKey") or ""
-        if "baseUrl" in ctx.options_set and "apiKey" not in ctx.options_set:
+        operator_url = (config.get("baseUrl") or DEFAULT_BASE_URL).strip()
+        if (
+            "baseUrl" in ctx.options_set
+            and "apiKey" not in ctx.options_set
+            and base_url.rstrip("/") != operator_url.rstrip("/")
+        ):
             api_key = ""  # the operator's key only ever goes to the operator's base URL
         timeout = float(config.get("timeoutSeconds", DEFAULTS["timeoutSeconds"]))
         client = self._client(

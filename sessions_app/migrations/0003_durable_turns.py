@@ -8,7 +8,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('hosting', '0001_initial'),
-        ('sessions_app', '0001_initial'),
+        ('sessions_app', '0002_ordered_json'),
     ]
 
     operations = [
