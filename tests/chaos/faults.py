@@ -170,8 +170,9 @@ class Database:
         self.url = url.replace("postgres://", "postgresql://", 1)
 
     def turn_statuses(self, turn_ids: list[str]) -> dict[str, tuple[str, str]]:
-        with psycopg.connect(self.url, connect_timeout=5) as conn:
-            rows = conn.execute(
-                "SELECT id, status, partial FROM sessions_app_turn WHERE id = ANY(%s)", [turn_ids]
-            ).fetchall()
-        return {turn_id: (status, partial) for turn_id, status, partial in rows}
+        from psycopg.rows import dict_row
+
+        with psycopg.connect(self.url, connect_timeout=5, row_factory=dict_row) as conn:
+            rows = conn.execute("SELECT * FROM sessions_app_turn WHERE id = ANY(%s)", [turn_ids]).fetchall()
+        # `partial`: the output checkpoint (absent from schemas before durable turns)
+        return {row["id"]: (row["status"], row.get("partial", "-")) for row in rows}

@@ -42,25 +42,29 @@ def wait_until(predicate, timeout: float, what: str):
 
 
 def test_warm_shutdown_finishes_running_turns_and_hands_queued_ones_back(chaos):
-    """A deploy: SIGTERM to the only worker while it runs 4 turns and 4 more wait, then turns
-    posted during its drain; a new worker starts. Every turn runs to its end."""
+    """A deploy: SIGTERM to the only worker while it runs 4 long turns and 4 more wait, then
+    turns posted during its drain; a new worker starts once it has drained. Every turn runs to
+    its end, however long it waited."""
     chaos.ensure_up(workers=("a",))
     db = Database(chaos.pg.url)
     sessions = new_sessions(chaos, 12)
     with ThreadPoolExecutor(12) as pool:
-        first = [pool.submit(post_turn, chaos, s, "/slow 6 400") for s in sessions[:8]]
-        time.sleep(1.5)  # 4 turns running on the worker's 4 threads, 4 waiting
+        running = [pool.submit(post_turn, chaos, s, "/slow 30 500") for s in sessions[:4]]
+        time.sleep(1.0)
+        waiting = [pool.submit(post_turn, chaos, s, "/slow 4 100") for s in sessions[4:8]]
+        time.sleep(1.0)  # 4 turns running on the worker's 4 threads, 4 waiting
         chaos.signal_worker("a", signal.SIGTERM)
-        during = [pool.submit(post_turn, chaos, s, "/slow 6 400") for s in sessions[8:]]
-        chaos.workers["a"].wait(60)  # the drain ends once the running turns are done
+        during = [pool.submit(post_turn, chaos, s, "/slow 4 100") for s in sessions[8:]]
+        chaos.workers["a"].wait(60)  # the drain ends once the running turns are done (~15 s)
         chaos.start_named_worker("b")
-        outcomes = [f.result(timeout=120) for f in first + during]
+        outcomes = [f.result(timeout=120) for f in running + waiting + during]
     no_server_errors(outcomes)
-    for session, outcome in zip(sessions, outcomes):
+    for index, (session, outcome) in enumerate(zip(sessions, outcomes)):
         assert outcome.error is None and outcome.status == 200, (outcome.status, outcome.error)
         assert outcome.body["stopReason"] == "end_turn", outcome.body
-        assert outcome.body["messages"] == ticks(6)
-        assert history(chaos, session) == user("/slow 6 400") + ticks(6)
+        text, answer = ("/slow 30 500", ticks(30)) if index < 4 else ("/slow 4 100", ticks(4))
+        assert outcome.body["messages"] == answer
+        assert history(chaos, session) == user(text) + answer
     assert all(status == "done" for status, _ in db.turn_statuses([o.turn_id for o in outcomes]).values())
 
 
@@ -230,19 +234,19 @@ def test_web_process_killed_during_posts(chaos):
 
 
 def test_burst_larger_than_the_worker_pool_waits_and_runs(chaos):
-    """150 turns at once on 8 worker threads: about half a minute of queue. Waiting is not
+    """96 turns of 4 s at once on 8 worker threads: about 50 s of queue. Waiting is not
     failure: every turn runs to its end."""
     chaos.ensure_up()
-    sessions = new_sessions(chaos, 150)
-    with ThreadPoolExecutor(150) as pool:
-        outcomes = list(pool.map(lambda s: post_turn(chaos, s, "/slow 2 1500"), sessions))
+    sessions = new_sessions(chaos, 96)
+    with ThreadPoolExecutor(96) as pool:
+        outcomes = list(pool.map(lambda s: post_turn(chaos, s, "/slow 2 4000"), sessions))
     no_server_errors(outcomes)
     for outcome in outcomes:
         assert outcome.error is None and outcome.status == 200, (outcome.status, outcome.error)
         assert outcome.body["stopReason"] == "end_turn", outcome.body
         assert outcome.body["messages"] == ticks(2)
     for session in sessions[:10]:
-        assert history(chaos, session) == user("/slow 2 1500") + ticks(2)
+        assert history(chaos, session) == user("/slow 2 4000") + ticks(2)
 
 
 def test_frozen_worker_declared_lost_keeps_its_real_answer(chaos):
