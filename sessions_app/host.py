@@ -280,6 +280,14 @@ async def _keep_lease(turn_id: str) -> None:
             logger.warning("lease refresh failed for %s: %s", turn_id, type(exc).__name__)
 
 
+async def _cancel_requested(turn_id: str) -> bool:
+    try:
+        return await events.backend().cancel_requested(turn_id)
+    except Exception as exc:  # Redis down: the turn runs (a cancel sent meanwhile was refused with 503)
+        logger.warning("could not check turn %s for a cancel: %s", turn_id, type(exc).__name__)
+        return False
+
+
 def _log_failure(plan: TurnPlan, exc: BaseException) -> None:
     logger.error("turn %s (agent %s) failed: %s", plan.turn_id, plan.agent_name, describe_failure(exc))
 
@@ -296,7 +304,7 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
     cancelled, error = False, ""
     stop_reason = "error"
     try:
-        if await events.backend().cancel_requested(plan.turn_id):
+        if await _cancel_requested(plan.turn_id):
             # Cancelled while queued: a CancelledError raised here would not count as a cancel.
             cancelled, stop_reason = True, "end_turn"
         else:
