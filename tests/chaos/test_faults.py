@@ -98,6 +98,7 @@ def test_killed_worker_ends_its_running_turns_truthfully_and_its_queue_runs_else
         assert stop["stopReason"] == "error"
         assert stop["_meta"]["error"] == "The worker running this turn stopped before finishing."
         produced = folded(outcome)
+        assert produced, "what the agent produced before the crash was lost"
         text = produced[0]["content"][0]["text"]
         # what the agent produced before the crash survives, in message and none mode alike
         assert text.startswith("tick 1 tick 2 ") and text.endswith(" ") and len(produced) == 1, produced
