@@ -6,13 +6,11 @@ Views validate shapes (protocol serializers) and call one service; tasks call
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from datetime import timedelta
 
 from django.conf import settings
-from django.db import IntegrityError, InterfaceError, OperationalError, connection, transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.utils import timezone
 
 from agents.models import Agent, AgentOption
@@ -20,9 +18,9 @@ from agents.runtimes import runtime_for
 from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
 from agents.selectors import agent_definition, server_tool_specs
 from hosting import crypto
-from hosting.errors import ApiError, BadRequest, Conflict, NotFound
+from hosting.errors import BadRequest, Conflict, NotFound
 
-from . import dispatch, events, host, liveness, turn_store
+from . import dispatch, events, host, idempotency_keys, liveness, turn_store
 from .models import IdempotencyKey, Message, Session, Turn, new_turn_id
 from .protocol import content_images, dumps, fold, image_kind, tool_uses
 
@@ -201,65 +199,13 @@ def pending_from_history(messages: list[dict], client_tools: list[dict] | None, 
 # --- sessions --------------------------------------------------------------------------------
 
 
-# --- idempotency ------------------------------------------------------------------------------
-
-
-def request_fingerprint(method: str, path: str, data) -> str:
-    """What makes two requests "the same" for an Idempotency-Key: method, path and JSON body
-    (compared as JSON: key order and spacing do not matter)."""
-    import json
-
-    text = json.dumps([method, path, data], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _replayed(tenant, idempotency: tuple[str, str] | None) -> IdempotencyKey | None:
-    """The stored outcome of an earlier request with this key (422 if it was another request)."""
-    if idempotency is None:
-        return None
-    key, fingerprint = idempotency
-    row = IdempotencyKey.objects.filter(tenant=tenant, key=key).first()
-    if row is None:
-        return None
-    if row.created_at < timezone.now() - timedelta(seconds=settings.AAP_IDEMPOTENCY_SECONDS):
-        row.delete()  # expired: the key may be used afresh
-        return None
-    if row.fingerprint != fingerprint:
-        raise ApiError(
-            "This Idempotency-Key was already used with a different request; send a new key for a new request.",
-            status_code=422,
-        )
-    return row
-
-
-def _remember(tenant, idempotency: tuple[str, str] | None, session_public_id: str, turn_id: str = "") -> None:
-    if idempotency is not None:
-        IdempotencyKey.objects.create(
-            tenant=tenant, key=idempotency[0], fingerprint=idempotency[1],
-            session_public_id=session_public_id, turn_id=turn_id,
-        )
-
-
-def _retry_on_key_race(create, tenant, idempotency):
-    """Run `create`; if a concurrent request with the same key won, return what it stored."""
-    try:
-        return create(), None
-    except IntegrityError:
-        if idempotency is None:
-            raise
-        row = _replayed(tenant, idempotency)
-        if row is None:
-            raise
-        return None, row
-
-
 def session_create(*, tenant, agent_config: dict, messages: list[dict] | None, tools: list[dict] | None,
                    idempotency: tuple[str, str] | None = None) -> Session:
     """Create a session (validated against the agent) and store its seed history.
 
     `idempotency` is (Idempotency-Key, request fingerprint): a retry of the same request
     gets the same session back instead of a second one."""
-    created, row = _retry_on_key_race(
+    created, row = idempotency_keys.create_once(
         lambda: _session_create(tenant=tenant, agent_config=agent_config, messages=messages, tools=tools,
                                 idempotency=idempotency),
         tenant, idempotency,
@@ -272,7 +218,7 @@ def _session_create(*, tenant, agent_config: dict, messages: list[dict] | None, 
                     idempotency: tuple[str, str] | None) -> Session:
     from agents.selectors import agent_for_tenant
 
-    row = _replayed(tenant, idempotency)
+    row = idempotency_keys.replayed(tenant, idempotency)
     if row is not None:
         return Session(public_id=row.session_public_id)
 
@@ -290,7 +236,7 @@ def _session_create(*, tenant, agent_config: dict, messages: list[dict] | None, 
         _append_messages(session, messages, compacted_from=_seed_compaction_start(agent, messages))
         session.pending_calls = pending_from_history(messages, tools, server_refs)
         session.save(update_fields=["message_seq", "pending_calls"])
-    _remember(tenant, idempotency, session.public_id)
+    idempotency_keys.remember(tenant, idempotency, session.public_id)
     return session
 
 
@@ -403,7 +349,7 @@ def turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, s
     error (503: nothing is stored). Returns the new turn (not read back from the database),
     or, for a retry with the same `idempotency` key and request, the turn it started.
     """
-    created, row = _retry_on_key_race(
+    created, row = idempotency_keys.create_once(
         lambda: _turn_start(tenant=tenant, session_id=session_id, data=data, idempotency=idempotency),
         tenant, idempotency,
     )
@@ -420,7 +366,7 @@ def _replayed_turn(row: IdempotencyKey) -> Turn:
 def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, str] | None) -> Turn:
     with transaction.atomic():
         session = _lock_session(tenant, session_id)
-        row = _replayed(tenant, idempotency)
+        row = idempotency_keys.replayed(tenant, idempotency)
         if row is not None:
             return _replayed_turn(row)
         if session.active_turn_id is not None:
@@ -456,7 +402,7 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         turn_store.update_session(
             session.pk, pending_calls=[], active_turn=turn.id, message_seq=session.message_seq + len(incoming), **changes
         )
-        _remember(tenant, idempotency, session.public_id, turn.id)
+        idempotency_keys.remember(tenant, idempotency, session.public_id, turn.id)
         # Permission answers go to the worker holding the prompt that waits on them (ACP).
         node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
         # `turn_start` (event 1) before the commit: a client sees its turn begin at once, and
@@ -849,9 +795,7 @@ def sweep_stale_turns() -> int:
     """End every lost turn, dispatch queued turns whose dispatch was lost, forget expired
     Idempotency-Keys (run periodically); returns how many turns were ended."""
     dispatch.dispatch_pending()
-    IdempotencyKey.objects.filter(
-        created_at__lt=timezone.now() - timedelta(seconds=settings.AAP_IDEMPOTENCY_SECONDS)
-    ).delete()
+    idempotency_keys.forget_expired()
     ended = 0
     for turn_id in Turn.objects.filter(status=Turn.RUNNING).values_list("id", flat=True):
         turn = Turn.objects.filter(id=turn_id).only(*_LIVENESS_FIELDS).first()

@@ -17,7 +17,7 @@ from hosting.authentication import (
 )
 from hosting.errors import BadRequest, NotFound
 
-from . import events, protocol, selectors, services
+from . import events, idempotency_keys, protocol, selectors, services
 from .models import Turn
 from .streaming import turn_response
 
@@ -35,7 +35,7 @@ def _idempotency(request) -> tuple[str, str] | None:
         return None
     if not 1 <= len(key) <= 255 or not key.isprintable() or not key.isascii():
         raise BadRequest("Idempotency-Key must be 1 to 255 printable ASCII characters (e.g. a UUID).")
-    return key, services.request_fingerprint(request.method, request.path, request.data)
+    return key, idempotency_keys.fingerprint(request.method, request.path, request.data)
 
 
 def _validated(serializer_class, data):
