@@ -177,7 +177,7 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-CELERY_WORKER_DISABLE_PREFETCH = True
+CELERY_WORKER_DISABLE_PREFETCH = env_bool("AAP_WORKER_DISABLE_PREFETCH", True)
 # Kombu's Redis ack emulation keeps a delivered message until it is acknowledged: a warm
 # shutdown puts unstarted ones back at once, and a killed worker's come back after the
 # visibility timeout (a second delivery of a running turn is a no-op: claims are once).
