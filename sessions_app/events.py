@@ -185,6 +185,9 @@ class _PublishBatcher:
                 for seq, event in batch:
                     pipe.xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
                 pipe.publish(_notify_channel(turn_id), json.dumps(batch))
+            # A stream recreated after a Redis restart gets an expiry too (its turn_start had it).
+            for turn_id in {turn_id for turn_id, _, _ in work}:
+                pipe.expire(_stream_key(turn_id), live_stream_ttl())
             try:
                 results = await pipe.execute(raise_on_error=False)
             except Exception as exc:  # the connection failed: every caller of this round learns it
