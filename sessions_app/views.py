@@ -1,5 +1,7 @@
 """AAP v3 endpoints. Thin: validate with a protocol serializer, call one service, answer."""
 
+import re
+
 from django.conf import settings
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -26,6 +28,14 @@ ERRORS = {
     401: protocol.ErrorSerializer,
     404: protocol.ErrorSerializer,
 }
+
+
+IDEMPOTENCY_KEY = OpenApiParameter(
+    "Idempotency-Key", {"type": "string", "minLength": 1, "maxLength": 255}, OpenApiParameter.HEADER,
+    description="Makes a retry safe: the same key and request get the same session or turn back; "
+    "the same key with another request is 422.",
+)
+RETRY_ERRORS = {422: protocol.ErrorSerializer, 503: protocol.ErrorSerializer}
 
 
 def _idempotency(request) -> tuple[str, str] | None:
@@ -66,7 +76,8 @@ class SessionsView(APIView):
     @extend_schema(
         summary="Create a session",
         request=protocol.CreateSessionSerializer,
-        responses={201: protocol.SessionIdSerializer, **ERRORS},
+        parameters=[IDEMPOTENCY_KEY],
+        responses={201: protocol.SessionIdSerializer, **ERRORS, **RETRY_ERRORS},
     )
     def post(self, request):
         data = _validated(protocol.CreateSessionSerializer, request.data)
@@ -81,10 +92,7 @@ class SessionsView(APIView):
 
     @extend_schema(
         summary="List sessions, newest first",
-        parameters=[
-            OpenApiParameter("after", OpenApiTypes.STR, description="The `next` cursor of the previous page."),
-            OpenApiParameter("limit", OpenApiTypes.INT, description="1 to 100 (default 20)."),
-        ],
+        parameters=[protocol.SessionListQuerySerializer],
         responses={200: protocol.SessionListSerializer, **ERRORS},
     )
     def get(self, request):
@@ -106,7 +114,7 @@ class SessionView(APIView):
 class HistoryView(APIView):
     @extend_schema(
         summary="Read a session's history",
-        parameters=[OpenApiParameter("type", OpenApiTypes.STR, enum=["compacted", "full"], required=True)],
+        parameters=[protocol.HistoryQuerySerializer],
         responses={200: protocol.HistorySerializer, **ERRORS},
     )
     def get(self, request, session_id):
@@ -128,20 +136,22 @@ TURN_RESPONSES = {
 
 
 class TurnsView(APIView):
-    @extend_schema(summary="Send a turn", request=protocol.TurnRequestSerializer, responses=TURN_RESPONSES)
+    @extend_schema(summary="Send a turn", request=protocol.TurnRequestSerializer, parameters=[IDEMPOTENCY_KEY],
+                   responses={**TURN_RESPONSES, **RETRY_ERRORS})
     def post(self, request, session_id):
         data = _validated(protocol.TurnRequestSerializer, request.data)
         turn = services.turn_start(
             tenant=request.user.tenant, session_id=session_id, data=data, idempotency=_idempotency(request)
         )
-        response = turn_response(turn.id, turn.stream)
+        response = turn_response(turn.id, turn.stream, token_id=request.user.token.pk)
         response["AAP-Events-Ticket"] = turn_events_ticket(request.user.token, session_id, turn.id)
         return response
 
 
 def _last_event_id(request) -> int:
     raw = request.headers.get("Last-Event-ID") or request.query_params.get("after") or "0"
-    if not raw.isdigit():
+    # ASCII digits only: str.isdigit() also accepts "²", which int() refuses.
+    if not re.fullmatch(r"[0-9]{1,18}", raw):
         raise BadRequest("Last-Event-ID must be the number of the last event you received (its 'id:').")
     return int(raw)
 
@@ -153,7 +163,10 @@ class TurnEventsView(APIView):
     @extend_schema(
         summary="Re-attach to a turn's events",
         parameters=[
-            OpenApiParameter("Last-Event-ID", OpenApiTypes.INT, OpenApiParameter.HEADER),
+            OpenApiParameter("Last-Event-ID", {"type": "integer", "minimum": 0, "maximum": 10**18 - 1}, OpenApiParameter.HEADER,
+                             description="The id of the last event received (default 0: from the start)."),
+            OpenApiParameter("after", {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
+                             description="Same as Last-Event-ID, for clients that cannot set headers."),
             OpenApiParameter(
                 "ticket", OpenApiTypes.STR,
                 description="The turn's `AAP-Events-Ticket` header, for clients that cannot send "
@@ -183,11 +196,11 @@ class TurnEventsView(APIView):
             if last[1].get("event") == "turn_stop" and last[0] <= after:
                 # The reader has everything: 204 tells an EventSource to stop reconnecting.
                 return Response(status=status.HTTP_204_NO_CONTENT)
-        return turn_response(turn.id, "delta" if turn.stream == "delta" else "message", after=after)
+        return turn_response(turn.id, "delta" if turn.stream == "delta" else "message", after=after, token_id=request.auth.pk)
 
 
 class TurnCancelView(APIView):
-    @extend_schema(summary="Cancel a running turn", request=None, responses={202: OpenApiTypes.OBJECT, **ERRORS})
+    @extend_schema(summary="Cancel a running turn", request=None, responses={202: protocol.TurnCancelSerializer, **ERRORS})
     def post(self, request, session_id, turn_id):
         turn = services.turn_cancel(tenant=request.user.tenant, session_id=session_id, turn_id=turn_id)
         return Response({"turnId": turn.id, "cancelling": turn.status != Turn.DONE}, status=status.HTTP_202_ACCEPTED)
