@@ -38,6 +38,9 @@ CHAOS_ENV = {
     "AAP_TURN_DISPATCH_GRACE_SECONDS": "3",
     "AAP_DB_RETRY_SECONDS": "60",
     "DATABASE_POOL_TIMEOUT": "10",
+    # Faults, not fair share: the tenant's limits would refuse the burst with 429 at the door.
+    "AAP_TENANT_MAX_RUNNING_TURNS": "0",
+    "AAP_TENANT_TURNS_PER_MINUTE": "0",
     "LOG_LEVEL": "INFO",
     "DEBUG": "0",
     "PYTHONUNBUFFERED": "1",
