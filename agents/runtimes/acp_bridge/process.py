@@ -1,9 +1,12 @@
-"""An ACP agent process: spawned, initialized, served (the client side of ACP), and stopped.
+"""An ACP agent process: spawned in its sandbox, initialized, served (the client side of
+ACP), watched against its limits, and stopped.
 
-The process gets a trimmed environment (acp.default_environment()), its HOME, the operator's
-static environment and the options routed to environment variables — secrets travel only
-there, never in argv. It runs in its own process group so stopping it also stops whatever
-it spawned. Its stdout must carry ACP JSON-RPC only: any other line ends the connection.
+The process gets an environment built from scratch (sandbox.environment()), its HOME, the
+operator's static environment and the options routed to environment variables — secrets
+travel only there, never in argv. It is started through the sandbox launcher (see
+sandbox.py), in its own session and process group, as its isolation unit's uid when the
+service runs as root. Its stdout must carry ACP JSON-RPC only: any other line ends the
+connection.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import acp
 from acp import schema
 from acp._transport import NdjsonTransport
 from acp.task import MessageSender, TaskSupervisor
+from django.conf import settings
 
 from agents.runtimes.base import AgentError
 
-from . import workspace
+from . import sandbox, workspace
+from .egress import EgressProxy
 from .session import AcpSession
 
 logger = logging.getLogger("agents.runtimes.acp")
@@ -52,6 +57,7 @@ class ProcessSpec:
     max_file_bytes: int = 1024 * 1024
     terminal_timeout: float = 120.0
     terminal_output_bytes: int = 64 * 1024
+    sandbox: sandbox.SandboxSpec | None = field(default=None, hash=False, compare=False)  # None: unsafe opt-out
 
     def redact(self, text: str) -> str:
         for value in self.env.values():
@@ -143,7 +149,8 @@ class BridgeClient:
     async def write_text_file(self, session_id, path, content, **kwargs):
         async with self._serving(session_id) as session:
             await asyncio.to_thread(
-                workspace.write_text, session.workspace, path, content, max_bytes=self._process.spec.max_file_bytes
+                workspace.write_text, session.workspace, path, content, max_bytes=self._process.spec.max_file_bytes,
+                owner=self._process.uid,
             )
         return schema.WriteTextFileResponse()
 
@@ -193,6 +200,12 @@ class AgentProcess:
         self._output: _AgentOutput | None = None
         self._stderr: deque[str] = deque(maxlen=20)
         self._tasks: list[asyncio.Task] = []
+        self.uid: int | None = None  # the isolation unit's uid (when the service runs as root)
+        self.tmp: Path | None = None
+        self.proxy: EgressProxy | None = None
+        self._policy: dict | None = None
+        self._disk_floor = 0  # disk use that does not count as a breach (what the unit had at start)
+        self._breach = False
 
     @property
     def alive(self) -> bool:
@@ -206,22 +219,33 @@ class AgentProcess:
         self.last_used = time.monotonic()
 
     async def start(self) -> None:
-        home = workspace.ensure_dir(self.spec.home)
-        env = {**acp.default_environment(), "HOME": str(home), **self.spec.env}
+        sandbox.harden_host()
+        try:
+            argv, env, cwd = await self._command()
+        except sandbox.SandboxError as exc:
+            self.failure = str(exc)
+            logger.error("ACP agent %s: %s", self.spec.label, self.failure)
+            await self._close_proxy()
+            raise AgentError(self.failure) from None
         try:
             self.process = await asyncio.create_subprocess_exec(
-                *self.spec.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=env, cwd=home, start_new_session=True, limit=STREAM_LIMIT,
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd, start_new_session=True, limit=STREAM_LIMIT,
             )
         except OSError as exc:
             self.failure = f"The agent command could not be started ({type(exc).__name__})."
             logger.error("ACP agent %s: %s", self.spec.label, self.failure)
+            await self._close_proxy()
             raise AgentError(self.failure) from None
-        logger.info("ACP agent %s started (pid %s, %s)", self.spec.label, self.process.pid, self.spec.argv[0])
+        logger.info("ACP agent %s started (pid %s, %s, %s)", self.spec.label, self.process.pid, self.spec.argv[0],
+                    "unconfined: unsafeWithoutSandbox" if self.spec.sandbox is None else
+                    f"sandboxed as uid {self.uid if self.uid is not None else os.getuid()}")
         self._output = _AgentOutput(self.process.stdout, self.process.stdin)
         self.conn = acp.connect_to_agent(BridgeClient(self), self._output)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._drain_stderr()), loop.create_task(self._watch())]
+        if self.spec.sandbox is not None:
+            self._tasks.append(loop.create_task(self._monitor()))
         capabilities = schema.ClientCapabilities(
             fs=schema.FileSystemCapabilities(read_text_file=True, write_text_file=True), terminal=self.spec.terminal
         )
@@ -237,6 +261,88 @@ class AgentProcess:
             await self.stop(self.failure or "The agent did not start.", kill=True)
             raise
         self.capabilities = response.agent_capabilities or schema.AgentCapabilities()
+
+    async def _command(self) -> tuple[list[str], dict, Path]:
+        """The argv, environment and cwd that start the agent (in its sandbox, unless opted out)."""
+        spec, box = self.spec, self.spec.sandbox
+        if box is None:
+            home = workspace.ensure_dir(spec.home)
+            env = {**sandbox.environment(home, home, None), **spec.env, "HOME": str(home)}
+            return [sandbox.resolve(spec.argv[0], env["PATH"]), *spec.argv[1:]], env, home
+        gaps = sandbox.missing()
+        if gaps:
+            raise sandbox.SandboxError(sandbox.refuse_sentence(gaps))
+        if sandbox.as_root():
+            self.uid = await asyncio.to_thread(sandbox.unit_uid, box.unit)
+        tmp = await asyncio.to_thread(sandbox.prepare, box, self.uid, spec.home)
+        self.tmp = tmp
+        if box.egress:
+            self.proxy = EgressProxy(box.egress, spec.label)
+            await self.proxy.start()
+        proxy_url = self.proxy.url if self.proxy else None
+        env = {**sandbox.environment(spec.home, tmp, proxy_url), **spec.env,
+               **sandbox.fixed_environment(spec.home, tmp, proxy_url)}
+        executable = sandbox.resolve(spec.argv[0], env["PATH"])
+        base_tasks = 0 if self.uid is not None else (await asyncio.to_thread(sandbox.unit_tasks, uid=os.getuid(),
+                                                                             pgid=None))[1]
+        self._policy = await asyncio.to_thread(
+            sandbox.policy, box, executable, uid=self.uid, cwd=spec.home,
+            proxy_port=self.proxy.port if self.proxy else None, base_tasks=base_tasks,
+        )
+        self._disk_floor = await asyncio.to_thread(sandbox.disk_bytes, box.writable)
+        return sandbox.launcher_argv(self._policy, [executable, *spec.argv[1:]]), env, spec.home
+
+    def confined(self, argv: list[str], cwd: Path) -> list[str]:
+        """`argv` (a terminal command) under this agent's sandbox, started in `cwd`."""
+        if self._policy is None:
+            return argv
+        executable = sandbox.resolve(argv[0], sandbox.sandbox_path())
+        return sandbox.launcher_argv({**self._policy, "cwd": str(cwd)}, [executable, *argv[1:]])
+
+    async def own(self, path: Path) -> None:
+        """Give a directory the service created for this agent (a workspace) to its uid."""
+        if self.uid is not None:
+            await asyncio.to_thread(sandbox.own, path, self.uid)
+
+    async def check_limits(self) -> str | None:
+        """A sentence when the unit is past one of its limits (then the process is stopped)."""
+        box = self.spec.sandbox
+        if box is None or self.process is None or self.failure is not None:
+            return self.failure if self.failure and self._breach else None
+        limits = box.limits
+        pids, tasks = await asyncio.to_thread(sandbox.unit_tasks, uid=self.uid, pgid=self.process.pid)
+        breach = None
+        if tasks >= limits.processes:
+            breach = (f"The agent reached its limit of {limits.processes} processes and threads; "
+                      "its processes were stopped.")
+        elif sandbox.resident_bytes(pids) > limits.memory_bytes:
+            breach = f"The agent used more than its memory limit of {sandbox.mib(limits.memory_bytes)}; its processes were stopped."
+        else:
+            used = await asyncio.to_thread(sandbox.disk_bytes, box.writable)
+            if used > max(limits.disk_bytes, self._disk_floor):
+                breach = (f"The agent's workspace and home hold more than its disk limit of "
+                          f"{sandbox.mib(limits.disk_bytes)}; its processes were stopped.")
+            else:
+                self._disk_floor = min(self._disk_floor, max(used, limits.disk_bytes))
+        if breach:
+            self._breach = True
+            logger.warning("ACP agent %s: %s", self.spec.label, breach)
+            await self.stop(breach, kill=True)
+        return breach
+
+    async def _monitor(self) -> None:
+        interval = settings.AAP_SANDBOX_MONITOR_SECONDS
+        with contextlib.suppress(asyncio.CancelledError):
+            while self.alive:
+                await asyncio.sleep(interval)
+                try:
+                    await self.check_limits()
+                except Exception as exc:
+                    logger.warning("watching ACP agent %s failed: %s", self.spec.label, type(exc).__name__)
+
+    async def _close_proxy(self) -> None:
+        if self.proxy is not None:
+            await self.proxy.close()
 
     async def call(self, awaitable, what: str):
         """Await one request to the agent within the start timeout; failures become AgentError."""
@@ -262,7 +368,8 @@ class AgentProcess:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.process.wait()), 3)
             if self.failure is None and self.process.returncode is not None:
-                self.failure = f"The agent process exited unexpectedly (exit code {self.process.returncode})."
+                failure = await self._exit_failure(self.process.returncode)
+                self.failure = self.failure or failure
         if self.failure is None:
             self.failure = "The connection to the agent broke; its process was stopped."
             await self.stop(self.failure, kill=True)
@@ -274,13 +381,29 @@ class AgentProcess:
             while line := await self.process.stderr.readline():
                 self._stderr.append(line.decode("utf-8", errors="replace").rstrip()[:500])
 
+    async def _exit_failure(self, code: int) -> str:
+        """Why the process exited, as a safe sentence: its sandbox's own, a limit, or the code."""
+        if code == sandbox.EXIT_SETUP_FAILED:
+            with contextlib.suppress(TimeoutError):  # the launcher's sentence is on stderr, being drained
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]), 1)
+            sentence = sandbox.setup_failure(self._stderr)
+            if sentence:
+                logger.error("ACP agent %s: %s", self.spec.label, sentence)
+                return sentence
+        if self.spec.sandbox is not None:
+            sentence = sandbox.exit_sentence(code, self.spec.sandbox.limits)
+            if sentence:
+                return sentence
+        tail = self.spec.redact("\n".join(self._stderr))
+        logger.warning("ACP agent %s (pid %s) exited with code %s; last stderr lines:\n%s",
+                       self.spec.label, self.process.pid, code, tail)
+        return f"The agent process exited unexpectedly (exit code {code})."
+
     async def _watch(self) -> None:
         code = await self.process.wait()
         if self.failure is None:
-            self.failure = f"The agent process exited unexpectedly (exit code {code})."
-            tail = self.spec.redact("\n".join(self._stderr))
-            logger.warning("ACP agent %s (pid %s) exited with code %s; last stderr lines:\n%s",
-                           self.spec.label, self.process.pid, code, tail)
+            failure = await self._exit_failure(code)
+            self.failure = self.failure or failure
         for session in list(self.sessions.values()):
             session.close()
 
@@ -311,6 +434,9 @@ class AgentProcess:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(process.wait()), 5)
         self._signal(signal.SIGKILL)  # whatever it left behind in its process group
+        if kill and self.uid is not None:  # and whatever left the group: everything of its uid
+            await asyncio.to_thread(sandbox.kill_uid, self.uid)
+        await self._close_proxy()
 
     def _signal(self, sig: int) -> None:
         if self.process is not None:
