@@ -185,6 +185,13 @@ class BridgeClient:
         return {}
 
 
+_UNIT_LOCKS: dict[str, asyncio.Lock] = {}
+
+
+def _unit_lock(unit: str) -> asyncio.Lock:
+    return _UNIT_LOCKS.setdefault(unit, asyncio.Lock())
+
+
 class AgentProcess:
     """One running agent (a child process) and the ACP connection to it."""
 
@@ -273,7 +280,8 @@ class AgentProcess:
         if gaps:
             raise sandbox.SandboxError(sandbox.refuse_sentence(gaps))
         if sandbox.as_root():
-            self.uid = await asyncio.to_thread(sandbox.unit_uid, box.unit)
+            async with _unit_lock(box.unit):  # never while a stop of the same unit still kills its uid
+                self.uid = await asyncio.to_thread(sandbox.unit_uid, box.unit)
         tmp = await asyncio.to_thread(sandbox.prepare, box, self.uid, spec.home)
         self.tmp = tmp
         if box.egress:
@@ -408,9 +416,20 @@ class AgentProcess:
             session.close()
 
     async def stop(self, reason: str, *, kill: bool = False) -> None:
-        """Stop the process (gracefully unless `kill`); every request to it fails."""
+        """Stop the process (gracefully unless `kill`: then every process of its uid goes too);
+        every request to it fails."""
         if self.failure is None:
             self.failure = reason
+        if kill and self.uid is not None and self.spec.sandbox is not None:
+            async with _unit_lock(self.spec.sandbox.unit):
+                await self._kill_unit()
+                await self._stop(kill)
+                await self._kill_unit()
+            return
+        await self._stop(kill)
+
+    async def _stop(self, kill: bool) -> None:
+        reason = self.failure
         for session in list(self.sessions.values()):
             session.close()
         process = self.process
@@ -434,9 +453,14 @@ class AgentProcess:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(process.wait()), 5)
         self._signal(signal.SIGKILL)  # whatever it left behind in its process group
-        if kill and self.uid is not None:  # and whatever left the group: everything of its uid
-            await asyncio.to_thread(sandbox.kill_uid, self.uid)
         await self._close_proxy()
+
+    async def _kill_unit(self) -> None:
+        """Kill everything of the unit's uid (what left the process group too), before a new
+        process of the same unit may start."""
+        if self.uid is None:
+            return
+        await asyncio.to_thread(sandbox.kill_uid, self.uid)
 
     def _signal(self, sig: int) -> None:
         if self.process is not None:
