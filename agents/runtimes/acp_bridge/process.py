@@ -244,9 +244,12 @@ class AgentProcess:
             logger.error("ACP agent %s: %s", self.spec.label, self.failure)
             await self._close_proxy()
             raise AgentError(self.failure) from None
-        logger.info("ACP agent %s started (pid %s, %s, %s)", self.spec.label, self.process.pid, self.spec.argv[0],
-                    "unconfined: unsafeWithoutSandbox" if self.spec.sandbox is None else
-                    f"sandboxed as uid {self.uid if self.uid is not None else os.getuid()}")
+        if self.spec.sandbox is None:
+            logger.warning("ACP agent %s started WITHOUT A SANDBOX (pid %s, %s): unsafeWithoutSandbox is set; it has "
+                           "the worker's reach", self.spec.label, self.process.pid, self.spec.argv[0])
+        else:
+            logger.info("ACP agent %s started (pid %s, %s, sandboxed as uid %s)", self.spec.label, self.process.pid,
+                        self.spec.argv[0], self.uid if self.uid is not None else os.getuid())
         self._output = _AgentOutput(self.process.stdout, self.process.stdin)
         self.conn = acp.connect_to_agent(BridgeClient(self), self._output)
         loop = asyncio.get_running_loop()

@@ -318,8 +318,9 @@ def policy(spec: SandboxSpec, executable: str, *, uid: int | None, cwd: Path, pr
     read = [*SYSTEM_READ, *_etc(), *_installation(executable), *spec.read_paths]
     if uid is not None:
         for path in read:
-            if os.path.exists(path) and not path.startswith("/proc"):
-                _searchable(Path(path).parent if not os.path.isdir(path) else Path(path))
+            if path.startswith(("/etc/", "/proc", "/sys/")) or path in SYSTEM_READ or not os.path.exists(path):
+                continue  # the system's own directories are searchable already
+            _searchable(Path(path) if os.path.isdir(path) else Path(path).parent)
     return {
         "uid": uid, "gid": uid, "cwd": str(cwd),
         "read": read, "devices": list(DEVICES), "write": [str(path) for path in spec.writable],
