@@ -308,14 +308,29 @@ def _installation(executable: str) -> list[str]:
         paths.add(directory)
         if os.path.basename(directory) == "bin":
             paths.add(os.path.dirname(directory))
-    return sorted(paths)
+    return sorted(path for path in paths if path != "/")
+
+
+def _reads_protected(path: str) -> bool:
+    """Whether granting `path` would grant the workspaces or the service's var/ (key files)."""
+    real = os.path.realpath(path)
+    for protected in (workspace.root(), Path(os.path.realpath(settings.VAR_DIR))):
+        if Path(real) == protected or Path(real) in protected.parents:
+            return True
+    return False
 
 
 def policy(spec: SandboxSpec, executable: str, *, uid: int | None, cwd: Path, proxy_port: int | None,
            base_tasks: int = 0) -> dict:
     """The launcher's policy (paths, ports and numbers only: it travels in argv)."""
     limits = spec.limits
-    read = [*SYSTEM_READ, *_etc(), *_installation(executable), *spec.read_paths]
+    read = []
+    for path in [*SYSTEM_READ, *_etc(), *_installation(executable), *spec.read_paths]:
+        if _reads_protected(path):  # e.g. a readPaths entry or a command's directory above var/
+            logger.warning("sandbox: %s is not granted to agents: it holds the workspaces or the service's "
+                           "var/", path)
+            continue
+        read.append(path)
     if uid is not None:
         for path in read:
             if path.startswith(("/etc/", "/proc", "/sys/")) or path in SYSTEM_READ or not os.path.exists(path):
