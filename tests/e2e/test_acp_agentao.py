@@ -209,3 +209,26 @@ def other(pg_stack, fake):
     client = pg_stack.client("other")
     yield client
     client.close()
+
+
+def test_the_agentao_example_works_as_shipped_with_its_bare_command(pg_stack, fake, client, tmp_path):
+    """examples/agents/agentao.yaml as an operator applies it, pointed at the fake provider:
+    `agentao` is found on the sandbox's PATH (the service's environment), in its sandbox."""
+    [example] = yaml.safe_load((ROOT / "examples" / "agents" / "agentao.yaml").read_text())["agents"]
+    assert example["runtime"]["config"]["command"] == ["agentao", "--acp"]
+    example["name"] = "agentao-example"
+    config = example["runtime"]["config"]
+    config["env"]["OPENAI_BASE_URL"] = fake.url
+    config["egress"] = agent_config(fake)["egress"]
+    example["options"] = [{**option, "default": {"model": "fake-model", "apiKey": API_KEY}[option["name"]]}
+                          for option in example["options"]]
+    for option in example["options"]:
+        option.pop("defaultEnv")
+    path = tmp_path / "agents.yaml"
+    path.write_text(yaml.safe_dump({"agents": [example]}))
+    pg_stack.manage("apply_agents", str(path))
+    fake.enqueue(FakeOpenAI.text("Hello from the example"))
+    session = session_of(client, "agentao-example")
+    result = checked_turn(client, session, user("hello"))
+    assert result.stop_reason == "end_turn", result.body
+    assert result.messages == [{"role": "assistant", "content": [{"type": "text", "text": "Hello from the example"}]}]
