@@ -3,6 +3,8 @@
 from datetime import timedelta
 from datetime import timezone as dt_timezone
 
+from django.conf import settings
+from django.core import signing
 from django.db import connection
 from django.utils import timezone
 from rest_framework import authentication, exceptions, permissions
@@ -14,14 +16,18 @@ LAST_USED_RESOLUTION = timedelta(seconds=60)
 
 
 class TenantUser:
-    """The authenticated principal of an API request: a tenant, through one token."""
+    """The authenticated principal of an API request: a tenant, through one token.
+
+    `turn_scope` is set when the request came with an events ticket: then it may read only
+    the events of that one (session id, turn id)."""
 
     is_authenticated = True
     is_anonymous = False
 
-    def __init__(self, token: ApiToken):
+    def __init__(self, token: ApiToken, turn_scope: tuple[str, str] | None = None):
         self.token = token
         self.tenant = token.tenant
+        self.turn_scope = turn_scope
 
     def __str__(self) -> str:
         return f"tenant:{self.tenant.name}"
@@ -30,14 +36,18 @@ class TenantUser:
 def tenant_for_raw_token(raw: str) -> ApiToken | None:
     """The active token with this value, its tenant loaded; None if unknown, expired, revoked
     or of a disabled tenant. One SQL statement: every API request runs it."""
+    return _active_token("k.token_hash = %s", hash_token(raw))
+
+
+def _active_token(where: str, value) -> ApiToken | None:
     now = timezone.now()
     with connection.cursor() as cursor:
         cursor.execute(
             f"SELECT k.id, k.tenant_id, k.last_used_at, t.name, t.title FROM {ApiToken._meta.db_table} k "
             f"JOIN {Tenant._meta.db_table} t ON t.id = k.tenant_id "
-            "WHERE k.token_hash = %s AND k.revoked_at IS NULL AND t.is_active "
+            f"WHERE {where} AND k.revoked_at IS NULL AND t.is_active "
             "AND (k.expires_at IS NULL OR k.expires_at > %s)",
-            [hash_token(raw), connection.ops.adapt_datetimefield_value(now)],
+            [value, connection.ops.adapt_datetimefield_value(now)],
         )
         row = cursor.fetchone()
     if row is None:
@@ -61,8 +71,12 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
         if not header:
             return None
         parts = header.split()
+        if not parts:
+            return None
         if parts[0].lower() != self.keyword.lower().encode():
             raise exceptions.AuthenticationFailed("Use 'Authorization: Bearer <api token>'.")
+        if len(parts) == 1:
+            return None  # "Bearer " with nothing after it: clients send that for an empty key
         if len(parts) != 2:
             raise exceptions.AuthenticationFailed(
                 "The Authorization header must be 'Bearer' followed by one API token."
@@ -87,3 +101,39 @@ class IsTenant(permissions.BasePermission):
 
     def has_permission(self, request, view):
         return isinstance(request.user, TenantUser)
+
+
+# --- events tickets: how a browser's EventSource (which cannot send headers) re-attaches ----
+
+TICKET_SALT = "aap.turn-events-ticket"
+
+
+def turn_events_ticket(token: ApiToken, session_id: str, turn_id: str) -> str:
+    """A signed, expiring capability to read one turn's events, bound to the token that
+    started the turn (revoking the token voids its tickets). Sent as `AAP-Events-Ticket`."""
+    return signing.dumps([token.pk, session_id, turn_id], salt=TICKET_SALT, compress=False)
+
+
+class EventsTicketAuthentication(authentication.BaseAuthentication):
+    """`?ticket=<AAP-Events-Ticket>` on the re-attach endpoint only."""
+
+    def authenticate(self, request):
+        ticket = request.query_params.get("ticket")
+        if not ticket:
+            return None
+        try:
+            token_id, session_id, turn_id = signing.loads(
+                ticket, salt=TICKET_SALT, max_age=settings.AAP_EVENTS_TICKET_SECONDS
+            )
+        except signing.SignatureExpired:
+            raise exceptions.AuthenticationFailed(
+                "This events ticket has expired; re-attach with 'Authorization: Bearer <api token>'."
+            ) from None
+        except (signing.BadSignature, ValueError, TypeError):
+            raise exceptions.AuthenticationFailed("The events ticket is not valid; use the turn's AAP-Events-Ticket.") from None
+        token = _active_token("k.id = %s", token_id) if isinstance(token_id, int) else None
+        if token is None:
+            raise exceptions.AuthenticationFailed(
+                "The API token this events ticket was issued to is expired or revoked."
+            )
+        return TenantUser(token, turn_scope=(str(session_id), str(turn_id))), token

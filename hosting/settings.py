@@ -192,6 +192,8 @@ AAP_MAX_BODY_BYTES = env_int("AAP_MAX_BODY_BYTES", 10 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = AAP_MAX_BODY_BYTES
 # How long a turn's events can be replayed after it ends.
 AAP_EVENT_RETENTION_SECONDS = env_int("AAP_EVENT_RETENTION_SECONDS", 3600)
+# How long an `AAP-Events-Ticket` (EventSource re-attach without headers) stays valid.
+AAP_EVENTS_TICKET_SECONDS = env_int("AAP_EVENTS_TICKET_SECONDS", 3600)
 AAP_SSE_PING_SECONDS = env_float("AAP_SSE_PING_SECONDS", 15.0)
 # A running turn refreshes a lease; a turn whose lease lapses is declared lost.
 AAP_TURN_LEASE_SECONDS = env_float("AAP_TURN_LEASE_SECONDS", 10.0)
@@ -214,6 +216,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["hosting.authentication.IsTenant"],
     "DEFAULT_PARSER_CLASSES": ["hosting.errors.LimitedJSONParser"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "hosting.negotiation.ProtocolContentNegotiation",
     "EXCEPTION_HANDLER": "hosting.errors.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
@@ -233,8 +236,8 @@ SPECTACULAR_SETTINGS = {
 }
 
 CORS_ALLOWED_ORIGINS = env_list("CORS_ALLOWED_ORIGINS")
-CORS_EXPOSE_HEADERS = ["AAP-Turn-Id"]
-CORS_ALLOW_HEADERS = ["authorization", "content-type", "last-event-id"]
+CORS_EXPOSE_HEADERS = ["AAP-Turn-Id", "AAP-Events-Ticket", "Retry-After", "RateLimit", "RateLimit-Policy"]
+CORS_ALLOW_HEADERS = ["accept", "authorization", "content-type", "last-event-id", "idempotency-key"]
 
 # --- Static files, i18n -----------------------------------------------------------------
 STATIC_URL = "/static/"

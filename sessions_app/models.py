@@ -1,8 +1,32 @@
 """AAP sessions, their history and their turns."""
 
+import json
 import secrets
 
 from django.db import models
+
+
+class OrderedJSONField(models.JSONField):
+    """JSON kept as the application sent it. PostgreSQL's `jsonb` reorders object keys, so on
+    PostgreSQL this is a `json` column (stored as text, key order intact); elsewhere the same
+    as JSONField. Not for key lookups in queries: nothing queries inside these columns."""
+
+    def db_type(self, connection):
+        return "json" if connection.vendor == "postgresql" else super().db_type(connection)
+
+    def get_db_prep_value(self, value, connection, prepared=False):
+        if connection.vendor != "postgresql":
+            return super().get_db_prep_value(value, connection, prepared)
+        from psycopg.types.json import Json
+
+        if not prepared:
+            value = self.get_prep_value(value)
+        return Json(value, dumps=lambda obj: json.dumps(obj, cls=self.encoder))
+
+    def from_db_value(self, value, expression, connection):
+        if value is None or not isinstance(value, str):
+            return value  # psycopg already decoded a `json` column (in order)
+        return super().from_db_value(value, expression, connection)
 
 
 def new_session_id() -> str:
@@ -24,9 +48,9 @@ class Session(models.Model):
     public_id = models.CharField(max_length=64, unique=True, default=new_session_id, editable=False)
     tenant = models.ForeignKey("hosting.Tenant", on_delete=models.CASCADE, related_name="sessions")
     agent = models.ForeignKey("agents.Agent", on_delete=models.CASCADE, related_name="sessions")
-    options = models.JSONField(default=dict, blank=True)
-    server_tools = models.JSONField(null=True, blank=True)
-    client_tools = models.JSONField(null=True, blank=True)
+    options = OrderedJSONField(default=dict, blank=True)
+    server_tools = OrderedJSONField(null=True, blank=True)
+    client_tools = OrderedJSONField(null=True, blank=True)
     pending_calls = models.JSONField(default=list, blank=True)
     active_turn = models.ForeignKey(
         "Turn", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"

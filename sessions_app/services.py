@@ -51,9 +51,13 @@ def _merge_options(agent: Agent, stored: dict, incoming: dict) -> dict:
             raise BadRequest(
                 f"Option '{name}' must be one of: {', '.join(option.choices)} (got {value!r}).",
             )
-        if option.is_secret:
-            if value == crypto.REDACTED:
-                continue  # the placeholder means: keep what is stored
+        if option.is_secret and value == crypto.REDACTED:
+            continue  # the placeholder means: keep the value in effect (at creation: the default)
+        if value == option.public_default():
+            # The advertised default (what a UI pre-fills from /meta) means "the default":
+            # the same as not sending the option, or going back to the default on a turn.
+            merged.pop(name, None)
+        elif option.is_secret:
             merged[name] = crypto.encrypt(value)
         else:
             merged[name] = value

@@ -118,6 +118,9 @@ class TurnStreamHandoff:
         turn_id, mode, after = handoff["spec"].split(" ")
         body = json_result(turn_id) if mode == "none" else sse_stream(turn_id, int(after))
         await send(handoff["start"])
+        # An empty chunk makes the server write the head now (Twisted waits for body bytes), so
+        # every client has `AAP-Turn-Id` at once, `stream: "none"` included.
+        await send({"type": "http.response.body", "body": b"", "more_body": True})
 
         async def pump():
             async for chunk in body:

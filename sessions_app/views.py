@@ -9,7 +9,12 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agents.selectors import agent_info, agents_for_tenant
-from hosting.authentication import TenantUser
+from hosting.authentication import (
+    BearerTokenAuthentication,
+    EventsTicketAuthentication,
+    TenantUser,
+    turn_events_ticket,
+)
 from hosting.errors import BadRequest, NotFound
 
 from . import events, protocol, selectors, services
@@ -116,7 +121,9 @@ class TurnsView(APIView):
     def post(self, request, session_id):
         data = _validated(protocol.TurnRequestSerializer, request.data)
         turn = services.turn_start(tenant=request.user.tenant, session_id=session_id, data=data)
-        return turn_response(turn.id, turn.stream)
+        response = turn_response(turn.id, turn.stream)
+        response["AAP-Events-Ticket"] = turn_events_ticket(request.user.token, session_id, turn.id)
+        return response
 
 
 def _last_event_id(request) -> int:
@@ -127,9 +134,19 @@ def _last_event_id(request) -> int:
 
 
 class TurnEventsView(APIView):
+    # A browser's EventSource cannot send Authorization: it re-attaches with ?ticket=.
+    authentication_classes = [BearerTokenAuthentication, EventsTicketAuthentication]
+
     @extend_schema(
         summary="Re-attach to a turn's events",
-        parameters=[OpenApiParameter("Last-Event-ID", OpenApiTypes.INT, OpenApiParameter.HEADER)],
+        parameters=[
+            OpenApiParameter("Last-Event-ID", OpenApiTypes.INT, OpenApiParameter.HEADER),
+            OpenApiParameter(
+                "ticket", OpenApiTypes.STR,
+                description="The turn's `AAP-Events-Ticket` header, for clients that cannot send "
+                "`Authorization` (a browser's EventSource). Valid for this turn only.",
+            ),
+        ],
         responses={
             200: OpenApiResponse(description="text/event-stream of the events after Last-Event-ID"),
             204: OpenApiResponse(description="The reader already has the turn's turn_stop."),
@@ -138,6 +155,9 @@ class TurnEventsView(APIView):
     )
     def get(self, request, session_id, turn_id):
         after = _last_event_id(request)
+        scope = request.user.turn_scope
+        if scope is not None and scope != (session_id, turn_id):
+            raise NotFound(f"No turn '{turn_id}' exists on session '{session_id}' for this events ticket.")
         turn = Turn.objects.filter(
             id=turn_id, session__public_id=session_id, session__tenant=request.user.tenant
         ).first()

@@ -122,11 +122,16 @@ def other(pg_stack):
     client.close()
 
 
+UNIT_TIER = ROOT / "tests" / "unit"
+
+
 def pytest_collection_modifyitems(items):
     # pytest-django creates the test database only for tests that ask for it; every test
-    # here drives processes that use it, so all of them do (reads only, inside a rollback).
+    # outside the unit tier drives processes that use it, so all of those do (reads only,
+    # inside a rollback). Unit tests touch no database.
     for item in items:
-        item.add_marker(pytest.mark.django_db)
+        if UNIT_TIER not in item.path.parents:
+            item.add_marker(pytest.mark.django_db)
 
 
 CHROMIUM = os.environ.get("AAP_CHROMIUM", "/usr/bin/chromium")
@@ -137,9 +142,45 @@ CHROMIUM_ARGS = [
 ]
 
 
+class BrowserThread:
+    """Headless Chromium, driven by Playwright's sync API on a thread of its own.
+
+    Playwright's sync API runs an event loop in the thread that uses it, and Django refuses
+    database access from a thread with a running loop; so browser work runs here, through
+    `call(fn, *args)`, which runs `fn(browser, *args)` on the browser's thread and returns
+    its result (or raises its exception)."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chromium")
+        self._playwright = None
+        self.browser = None
+        self._executor.submit(self._start).result(timeout=120)
+
+    def _start(self):
+        from playwright.sync_api import sync_playwright
+
+        self._playwright = sync_playwright().start()
+        self.browser = self._playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+    def call(self, fn, *args, timeout: float = 120):
+        return self._executor.submit(fn, self.browser, *args).result(timeout=timeout)
+
+    def close(self):
+        def stop():
+            if self.browser is not None:
+                self.browser.close()
+            if self._playwright is not None:
+                self._playwright.stop()
+
+        self._executor.submit(stop).result(timeout=60)
+        self._executor.shutdown()
+
+
 @pytest.fixture(scope="session")
 def chromium():
-    """A headless Debian Chromium driven by Playwright; skipped (with the reason) when absent.
+    """A headless Debian Chromium (a BrowserThread); skipped, with the reason, when absent.
 
     `.ci/run` installs Chromium and sets AAP_REQUIRE_BROWSER=1, so there a missing browser
     fails the run instead of skipping.
@@ -149,16 +190,15 @@ def chromium():
         reason = f"Chromium is not installed at {CHROMIUM} (apt-get install chromium, or set AAP_CHROMIUM)"
     else:
         try:
-            from playwright.sync_api import sync_playwright
+            import playwright.sync_api  # noqa: F401
         except ImportError:
             reason = "the playwright package is not installed (make test installs the test extras)"
     if reason:
         if os.environ.get("AAP_REQUIRE_BROWSER") == "1":
             pytest.fail(f"browser tests are required here (AAP_REQUIRE_BROWSER=1) but {reason}")
         pytest.skip(reason)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    browser = BrowserThread()
+    try:
+        yield browser
+    finally:
+        browser.close()

@@ -43,19 +43,19 @@ def test_option_overrides_in_a_turn_persist(client):
 
 
 def test_redacted_secret_sent_back_keeps_the_stored_value(client):
-    session = new_session(client, options={"apiKey": SECRET, "style": "plain"})
+    session = new_session(client, options={"apiKey": SECRET, "style": "upper"})
     # an application echoes what GET gave it, placeholder included, and changes one option
     options = session_info(client, session)["agent"]["options"]
-    assert options == {"apiKey": "***", "style": "plain"}
+    assert options == {"apiKey": "***", "style": "upper"}
     result = checked_turn(
         client, session, user("/whoami"), stream="delta", agent={"options": {**options, "signature": "kept"}}
     )
-    assert result.messages == text_reply(f"style=plain signature=kept apiKey={fingerprint(SECRET)}")
-    assert session_info(client, session)["agent"]["options"] == {"apiKey": "***", "style": "plain", "signature": "kept"}
+    assert result.messages == text_reply(f"style=upper signature=kept apiKey={fingerprint(SECRET)}")
+    assert session_info(client, session)["agent"]["options"] == {"apiKey": "***", "style": "upper", "signature": "kept"}
     # a new value replaces it
     checked_turn(client, session, user("rotate"), agent={"options": {"apiKey": "sk-rotated"}})
     assert checked_turn(client, session, user("/whoami")).messages == text_reply(
-        f"style=plain signature=kept apiKey={fingerprint('sk-rotated')}"
+        f"style=upper signature=kept apiKey={fingerprint('sk-rotated')}"
     )
 
 
