@@ -403,6 +403,11 @@ def test_each_session_has_its_own_agent_process_unless_the_operator_shares_them_
     assert pid5 != pid3  # never across tenants
     if os.geteuid() == 0:
         assert uid5 != uid3
+        tenant_dir = workspace(pg, first).parent.stat()
+        assert (tenant_dir.st_uid, tenant_dir.st_mode & 0o777) == (0, 0o711)  # the service's, traversable only
+        assert workspace(pg, shared[0]).stat().st_uid == uid3
+        assert workspace(pg, first).stat().st_uid == uid1
+    owner(client, session_of(client))  # a session's own process still starts beside the shared one
 
 
 def test_secret_options_reach_only_the_process_environment(pg, client, log_dir, db_access):

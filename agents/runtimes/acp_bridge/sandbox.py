@@ -236,22 +236,30 @@ def own(path: Path, uid: int | None) -> None:
 
 
 def prepare(spec: SandboxSpec, uid: int | None, home: Path) -> Path:
-    """Create the unit's directories, owned by its uid; returns its temporary directory."""
+    """Create the unit's directories, owned by its uid; returns its temporary directory.
+
+    Directories between the workspace root and the unit's own stay the service's, mode 0711
+    (traversable, not listable); a tenant's directory (isolation `tenant`, writable as a
+    whole by Landlock) stays the service's too, so its sessions' workspaces are given to the
+    unit one by one as they open (AgentProcess.own)."""
     root = workspace.root()
     workspace.ensure_dir(root)
     tmp = home / ".tmp"
-    for path in spec.writable:
+    for path in (*spec.writable, home, tmp):
         workspace.ensure_dir(path)
-    workspace.ensure_dir(tmp)
-    if uid is not None:
-        # Every directory between the root and a writable one: traversable, not listable.
-        for path in spec.writable:
-            for parent in path.parents:
-                if parent == root or root not in parent.parents:
-                    break
-                os.chmod(parent, 0o711)
-        _searchable(root)
-        for path in spec.writable:
+    if uid is None:
+        return tmp
+    for path in (*spec.writable, home):
+        for parent in path.parents:
+            if parent == root or root not in parent.parents:
+                break
+            os.chmod(parent, 0o711)
+    _searchable(root)
+    for path in (*spec.writable, home):
+        if path.parent == root:
+            os.chown(path, os.getuid(), os.getgid())
+            os.chmod(path, 0o711)
+        else:
             own(path, uid)
     return tmp
 
