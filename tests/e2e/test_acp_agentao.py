@@ -24,6 +24,8 @@ API_KEY = "sk-agentao-key-for-tests-0001"
 
 def agent_config(server: FakeOpenAI, **extra) -> dict:
     endpoint = urlsplit(server.url)
+    if os.environ.get("AAP_TEST_SANDBOX_OFF") == "1":  # the operator's opt-out: shows what the sandbox stops
+        extra.setdefault("unsafeWithoutSandbox", True)
     return {
         # The bare name, as examples/agents/agentao.yaml has it: found on the sandbox's PATH.
         "command": ["agentao", "--acp"],

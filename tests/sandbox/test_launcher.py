@@ -162,3 +162,82 @@ def test_commands_are_found_on_the_sandboxs_path_which_starts_with_the_services_
     assert sandbox.resolve("python", path) == str(Path(sys.executable).parent / "python")
     with pytest.raises(sandbox.SandboxError, match="'no-such-agent' was not found on the sandbox's PATH"):
         sandbox.resolve("no-such-agent", path)
+
+
+UNPRIVILEGED_SERVICE = r'''
+import asyncio, os, sys
+from pathlib import Path
+
+import django
+
+django.setup()
+import acp
+
+from agents.runtimes.acp_bridge import sandbox
+from agents.runtimes.acp_bridge.process import AgentProcess, ProcessSpec
+
+fake, script, unsafe = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+
+
+class Collect:
+    def __init__(self):
+        self.text = []
+
+    def on_update(self, update):
+        content = getattr(update, "content", None)
+        if getattr(content, "text", None):
+            self.text.append(content.text)
+
+    def close(self):
+        pass
+
+
+async def main():
+    root = Path(os.environ["AAP_WORKSPACE_ROOT"])
+    work, home = root / "demo" / "sess_1", root / "demo" / ".session-homes" / "sess_1" / "shell"
+    box = None if unsafe else sandbox.SandboxSpec(
+        unit="session:demo/sess_1", writable=(work, home), read_paths=(str(Path(fake).parent),), egress=(),
+        limits=sandbox.Limits.parse(None))
+    process = AgentProcess(ProcessSpec(key="k", label="shell/demo", argv=("python", fake), env={}, home=home,
+                                       sandbox=box))
+    await process.start()
+    work.mkdir(parents=True, exist_ok=True)
+    session = await process.conn.new_session(cwd=str(work), mcp_servers=[])
+    collect = Collect()
+    process.sessions[session.session_id] = collect
+    await process.conn.prompt(session_id=session.session_id, prompt=[acp.text_block("/sh " + script)])
+    print("".join(collect.text))
+    await process.stop("done", kill=True)
+
+
+asyncio.run(main())
+'''
+
+
+def test_an_unprivileged_service_starts_its_agents_sandboxed(service):
+    """The Docker image's case, end to end: the service runs as an unprivileged user and
+    starts the agent through the sandbox; the agent shares its uid yet reaches none of it."""
+    state = Path(tempfile.mkdtemp(prefix="aap-unprivileged-"))
+    os.chown(state, SERVICE_UID, SERVICE_UID)
+    state.chmod(0o755)
+    fake = str(Path(__file__).parents[1] / "fakes" / "acp_agent.py")
+    script = (f"echo ok > mine.txt && cat mine.txt; cat {service['private']}; "
+              "cat /proc/$(cut -d' ' -f4 /proc/$PPID/stat)/environ; kill -0 $(cut -d' ' -f4 /proc/$PPID/stat) "
+              "&& echo signalled")
+    env = {
+        "PATH": sandbox.sandbox_path(), "DJANGO_SETTINGS_MODULE": "hosting.settings",
+        "HOSTING_VAR_DIR": str(state / "var"), "AAP_WORKSPACE_ROOT": str(state / "workspaces"),
+        "SECRET_KEY": "unprivileged-service-test-key", "DATABASE_URL": "", "REDIS_URL": "",
+        "HOSTING_ENCRYPTION_KEYS": os.environ["HOSTING_ENCRYPTION_KEYS"], "SERVICE_SECRET": service["secret"],
+    }
+    try:
+        done = subprocess.run(as_service([sys.executable, "-c", UNPRIVILEGED_SERVICE, fake, script,
+                                          "1" if SANDBOX_OFF else "0"]),
+                              capture_output=True, text=True, timeout=120, env=env, cwd=str(Path(fake).parents[2]))
+        assert done.returncode == 0, done.stderr[-2000:]
+        output = done.stdout
+        assert output.startswith("exit=") and "\nok\n" in output  # its workspace works
+        assert service["secret"] not in output  # neither the service's file nor its environment
+        assert "signalled" not in output
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
