@@ -30,7 +30,7 @@ import acp
 
 from aap.messages import denial_text
 
-from .acp_bridge import routing, sandbox, workspace
+from .acp_bridge import limits, routing, sandbox, workspace
 from .acp_bridge.process import AgentProcess, ProcessSpec
 from .acp_bridge.session import AcpSession, CallState, PermissionWaiter, Prompt
 from .acp_bridge.terminals import Terminals
@@ -92,7 +92,7 @@ class _Config:
     max_file_bytes: int
     isolation: str
     egress: tuple[str, ...]
-    limits: sandbox.Limits
+    limits: limits.Limits
     read_paths: tuple[str, ...]
     unsafe: bool
 
@@ -113,7 +113,7 @@ class _Config:
             max_file_bytes=int(config.get("maxFileBytes", 1024 * 1024)),
             isolation=config.get("isolation", "session"),
             egress=tuple(config.get("egress") or ()),
-            limits=sandbox.Limits.parse(config.get("limits")),
+            limits=limits.Limits.parse(config.get("limits")),
             read_paths=tuple(config.get("readPaths") or ()),
             unsafe=bool(config.get("unsafeWithoutSandbox", False)),
         )
@@ -216,7 +216,7 @@ class AcpRuntime(Runtime):
             # its limits, what else it may read, and the explicit opt-out.
             "isolation": {"enum": ["session", "tenant"]},
             "egress": sandbox.EGRESS_SCHEMA,
-            "limits": sandbox.LIMITS_SCHEMA,
+            "limits": limits.LIMITS_SCHEMA,
             "readPaths": {"type": "array", "items": {"type": "string", "pattern": "^/"}},
             "unsafeWithoutSandbox": {"type": "boolean"},
         },

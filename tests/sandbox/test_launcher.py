@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.runtimes.acp_bridge import sandbox
+from agents.runtimes.acp_bridge import limits, sandbox
 from agents.runtimes.acp_bridge.egress import EgressProxy
 from agents.runtimes.acp_bridge.process import AgentProcess, ProcessSpec
 from agents.runtimes.base import AgentError
@@ -62,7 +62,7 @@ def confined(service, script: str) -> str:
     argv = ["/bin/sh", "-c", script]
     if not SANDBOX_OFF:
         spec = sandbox.SandboxSpec(unit="test:launcher", writable=(service["workspace"],), read_paths=(),
-                                   egress=(), limits=sandbox.Limits.parse({"processes": 64}))
+                                   egress=(), limits=limits.Limits.parse({"processes": 64}))
         # uid None: the launcher keeps the user it was started as, like an unprivileged service.
         policy = sandbox.policy(spec, "/bin/sh", uid=None, cwd=service["workspace"], proxy_port=None, base_tasks=50)
         argv = sandbox.launcher_argv(policy, argv)
@@ -96,7 +96,7 @@ def test_a_kernel_without_landlock_makes_the_agent_refuse_to_start_naming_what_i
         assert gaps == ("Landlock ABI 6 (Linux 6.12 or later; this kernel offers ABI 3)",)
         spec = ProcessSpec(key="k", label="refusing", argv=("python", "-c", "print(1)"), env={}, home=tmp_path,
                            sandbox=sandbox.SandboxSpec(unit="test:refusal", writable=(tmp_path,), read_paths=(),
-                                                       egress=(), limits=sandbox.Limits.parse(None)))
+                                                       egress=(), limits=limits.Limits.parse(None)))
         process = AgentProcess(spec)
         with pytest.raises(AgentError) as refused:
             asyncio.run(process.start())
@@ -173,7 +173,7 @@ import django
 django.setup()
 import acp
 
-from agents.runtimes.acp_bridge import sandbox
+from agents.runtimes.acp_bridge import limits, sandbox
 from agents.runtimes.acp_bridge.process import AgentProcess, ProcessSpec
 
 fake, script, unsafe = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
@@ -197,7 +197,7 @@ async def main():
     work, home = root / "demo" / "sess_1", root / "demo" / ".session-homes" / "sess_1" / "shell"
     box = None if unsafe else sandbox.SandboxSpec(
         unit="session:demo/sess_1", writable=(work, home), read_paths=(str(Path(fake).parent),), egress=(),
-        limits=sandbox.Limits.parse(None))
+        limits=limits.Limits.parse(None))
     process = AgentProcess(ProcessSpec(key="k", label="shell/demo", argv=("python", fake), env={}, home=home,
                                        sandbox=box))
     await process.start()

@@ -31,7 +31,7 @@ from django.conf import settings
 
 from agents.runtimes.base import AgentError
 
-from . import sandbox, workspace
+from . import limits, sandbox, workspace
 from .egress import EgressProxy
 from .session import AcpSession
 
@@ -294,13 +294,13 @@ class AgentProcess:
         env = {**sandbox.environment(spec.home, tmp, proxy_url), **spec.env,
                **sandbox.fixed_environment(spec.home, tmp, proxy_url)}
         executable = sandbox.resolve(spec.argv[0], env["PATH"])
-        base_tasks = 0 if self.uid is not None else (await asyncio.to_thread(sandbox.unit_tasks, uid=os.getuid(),
+        base_tasks = 0 if self.uid is not None else (await asyncio.to_thread(limits.unit_tasks, uid=os.getuid(),
                                                                              pgid=None))[1]
         self._policy = await asyncio.to_thread(
             sandbox.policy, box, executable, uid=self.uid, cwd=spec.home,
             proxy_port=self.proxy.port if self.proxy else None, base_tasks=base_tasks,
         )
-        self._disk_floor = await asyncio.to_thread(sandbox.disk_bytes, box.writable)
+        self._disk_floor = await asyncio.to_thread(limits.disk_bytes, box.writable)
         return sandbox.launcher_argv(self._policy, [executable, *spec.argv[1:]]), env, spec.home
 
     def confined(self, argv: list[str], cwd: Path) -> list[str]:
@@ -320,25 +320,25 @@ class AgentProcess:
         box = self.spec.sandbox
         if box is None or self.process is None or self.failure is not None:
             return self.failure if self.failure and self._breach else None
-        limits = box.limits
-        pids, tasks = await asyncio.to_thread(sandbox.unit_tasks, uid=self.uid, pgid=self.process.pid)
+        bounds = box.limits
+        pids, tasks = await asyncio.to_thread(limits.unit_tasks, uid=self.uid, pgid=self.process.pid)
         breach = None
-        if tasks >= limits.processes:
-            breach = (f"The agent reached its limit of {limits.processes} processes and threads; "
-                      "its processes were stopped.")
-        elif sandbox.resident_bytes(pids) > limits.memory_bytes:
-            breach = f"The agent used more than its memory limit of {sandbox.mib(limits.memory_bytes)}; its processes were stopped."
+        if tasks >= bounds.processes:
+            breach = f"The agent reached its limit of {bounds.processes} processes and threads"
+        elif limits.resident_bytes(pids) > bounds.memory_bytes:
+            breach = f"The agent used more than its memory limit of {limits.mib(bounds.memory_bytes)}"
         else:
-            used = await asyncio.to_thread(sandbox.disk_bytes, box.writable)
-            if used > max(limits.disk_bytes, self._disk_floor):
-                breach = (f"The agent's workspace and home hold more than its disk limit of "
-                          f"{sandbox.mib(limits.disk_bytes)}; its processes were stopped.")
-            else:
-                self._disk_floor = min(self._disk_floor, max(used, limits.disk_bytes))
-        if breach:
-            self._breach = True
-            logger.warning("ACP agent %s: %s", self.spec.label, breach)
-            await self.stop(breach, kill=True)
+            used = await asyncio.to_thread(limits.disk_bytes, box.writable)
+            if used > max(bounds.disk_bytes, self._disk_floor):
+                breach = f"The agent's workspace and home hold more than its disk limit of {limits.mib(bounds.disk_bytes)}"
+            else:  # what it deleted no longer counts as allowed
+                self._disk_floor = min(self._disk_floor, max(used, bounds.disk_bytes))
+        if breach is None:
+            return None
+        breach += "; its processes were stopped."
+        self._breach = True
+        logger.warning("ACP agent %s: %s", self.spec.label, breach)
+        await self.stop(breach, kill=True)
         return breach
 
     async def _monitor(self) -> None:
@@ -402,7 +402,7 @@ class AgentProcess:
                 logger.error("ACP agent %s: %s", self.spec.label, sentence)
                 return sentence
         if self.spec.sandbox is not None:
-            sentence = sandbox.exit_sentence(code, self.spec.sandbox.limits)
+            sentence = limits.exit_sentence(code, self.spec.sandbox.limits)
             if sentence:
                 return sentence
         tail = self.spec.redact("\n".join(self._stderr))

@@ -15,7 +15,6 @@ to start, unless the operator set `unsafeWithoutSandbox` for that agent.
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import hashlib
 import json
@@ -32,6 +31,7 @@ from pathlib import Path
 from django.conf import settings
 
 from . import workspace
+from .limits import Limits
 
 logger = logging.getLogger("agents.runtimes.acp")
 
@@ -39,14 +39,7 @@ LAUNCHER = Path(__file__).with_name("sandbox_exec.py")
 EXIT_SETUP_FAILED = 125  # sandbox_exec.EXIT_SETUP_FAILED
 SETUP_PREFIX = "aap-sandbox: "
 LANDLOCK_ABI_NEEDED = 6  # filesystem (1), TCP ports (4), signal and abstract-socket scoping (6)
-MiB = 1024 * 1024
 
-LIMIT_DEFAULTS = {"memoryMiB": 2048, "cpuSeconds": 3600, "processes": 256, "diskMiB": 1024, "openFiles": 1024}
-LIMITS_SCHEMA = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {name: {"type": "integer", "minimum": 1} for name in LIMIT_DEFAULTS},
-}
 EGRESS_SCHEMA = {
     "type": "array",
     "items": {"type": "string", "pattern": r"^([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"},
@@ -63,24 +56,6 @@ ETC_SSL = ("/etc/ssl/certs", "/etc/ssl/openssl.cnf")
 
 class SandboxError(Exception):
     """The sandbox cannot hold for this agent; the message is a sentence for the turn's error."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    memory_bytes: int
-    cpu_seconds: int
-    processes: int
-    disk_bytes: int
-    open_files: int
-
-    @classmethod
-    def parse(cls, config: dict | None) -> Limits:
-        values = {**LIMIT_DEFAULTS, **(config or {})}
-        return cls(
-            memory_bytes=int(values["memoryMiB"]) * MiB, cpu_seconds=int(values["cpuSeconds"]),
-            processes=int(values["processes"]), disk_bytes=int(values["diskMiB"]) * MiB,
-            open_files=int(values["openFiles"]),
-        )
 
 
 @dataclass(frozen=True)
@@ -389,86 +364,6 @@ def setup_failure(stderr_lines) -> str | None:
         if line.startswith(SETUP_PREFIX):
             return f"The agent's sandbox could not be set up: {line[len(SETUP_PREFIX):].strip()}."
     return None
-
-
-# --- watching a running unit ----------------------------------------------------------------
-
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def unit_tasks(*, uid: int | None, pgid: int | None) -> tuple[list[int], int]:
-    """The processes of a unit (by uid, or by process group without one) and their task count."""
-    pids, tasks = [], 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{name}/status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        try:
-            if uid is not None:
-                if int(fields["Uid"].split()[1]) != uid:
-                    continue
-            elif os.getpgid(int(name)) != pgid:
-                continue
-            pids.append(int(name))
-            tasks += int(fields.get("Threads", "1"))
-        except (KeyError, ValueError, ProcessLookupError, PermissionError):
-            continue
-    return pids, tasks
-
-
-def resident_bytes(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
-
-
-def disk_bytes(paths) -> int:
-    """Bytes allocated under `paths` (links not followed; each inode counted once)."""
-    seen, total = set(), 0
-    stack = [str(path) for path in paths]
-    while stack:
-        top = stack.pop()
-        try:
-            with os.scandir(top) as entries:
-                for entry in entries:
-                    try:
-                        info = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    if (info.st_dev, info.st_ino) in seen:
-                        continue
-                    seen.add((info.st_dev, info.st_ino))
-                    total += info.st_blocks * 512
-                    if stat.S_ISDIR(info.st_mode):
-                        stack.append(entry.path)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EACCES):
-                raise
-    return total
-
-
-def mib(value: int) -> str:
-    return f"{value / MiB:g} MiB"
-
-
-_SIGNAL_SENTENCES = {
-    24: "The agent used its CPU-time limit of {cpu} seconds; its process was stopped.",  # SIGXCPU
-    25: "The agent wrote a file larger than its disk limit of {disk}; its process was stopped.",  # SIGXFSZ
-}
-
-
-def exit_sentence(code: int, limits: Limits) -> str | None:
-    """A limit the exit code shows the agent ran into, as a sentence."""
-    text = _SIGNAL_SENTENCES.get(-code) if code < 0 else None
-    return text.format(cpu=limits.cpu_seconds, disk=mib(limits.disk_bytes)) if text else None
 
 
 _UNIT_RE = re.compile(r"[^A-Za-z0-9_.:/-]")
