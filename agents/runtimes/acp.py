@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 
 import acp
+from django.conf import settings
 
 from aap.messages import denial_text
 
@@ -663,6 +664,7 @@ class AcpRuntime(Runtime):
         loop = asyncio.get_running_loop()
         self._background = [
             loop.create_task(self._reap_forever()),
+            loop.create_task(self._watch_limits_forever()),
             loop.create_task(routing.listen_deleted(self._on_deleted_elsewhere)),
         ]
 
@@ -677,6 +679,24 @@ class AcpRuntime(Runtime):
                 await self._reap()
             except Exception as exc:
                 logger.warning("reaping ACP agents failed: %s", type(exc).__name__)
+
+    async def _watch_limits_forever(self) -> None:
+        """Check every sandboxed unit against its limits: one pass over /proc per interval for
+        all of them; disk use every interval for units in a turn, every fifth for idle ones."""
+        interval = settings.AAP_SANDBOX_MONITOR_SECONDS
+        tick = 0
+        while True:
+            await asyncio.sleep(interval)
+            tick += 1
+            watched = [p for p in self._processes.values() if p.alive and p.spec.sandbox is not None]
+            if not watched:
+                continue
+            try:
+                snap = await asyncio.to_thread(limits.snapshot)
+                for process in watched:
+                    await process.check_limits(snap, disk=bool(process.users) or tick % 5 == 0)
+            except Exception as exc:
+                logger.warning("checking ACP agents against their limits failed: %s", type(exc).__name__)
 
     async def _reap(self) -> None:
         now = time.monotonic()

@@ -42,9 +42,23 @@ class Limits:
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def unit_tasks(*, uid: int | None, pgid: int | None) -> tuple[list[int], int]:
-    """The processes of a unit (by uid, or by process group without one) and their task count."""
-    pids, tasks = [], 0
+@dataclass(frozen=True)
+class Snapshot:
+    """Every process on the host at one moment, by uid and by process group: (pid, threads)."""
+
+    by_uid: dict[int, list[tuple[int, int]]]
+    by_pgid: dict[int, list[tuple[int, int]]]
+
+    def unit(self, *, uid: int | None, pgid: int | None) -> tuple[list[int], int]:
+        """A unit's processes (by its uid, or by process group without one) and their task count."""
+        members = self.by_uid.get(uid, []) if uid is not None else self.by_pgid.get(pgid, [])
+        return [pid for pid, _ in members], sum(threads for _, threads in members)
+
+
+def snapshot() -> Snapshot:
+    """One pass over /proc (shared by every unit's check: one pass per interval, not per unit)."""
+    by_uid: dict[int, list[tuple[int, int]]] = {}
+    by_pgid: dict[int, list[tuple[int, int]]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -54,16 +68,12 @@ def unit_tasks(*, uid: int | None, pgid: int | None) -> tuple[list[int], int]:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         try:
-            if uid is not None:
-                if int(fields["Uid"].split()[1]) != uid:
-                    continue
-            elif os.getpgid(int(name)) != pgid:
-                continue
-            pids.append(int(name))
-            tasks += int(fields.get("Threads", "1"))
-        except (KeyError, ValueError, ProcessLookupError, PermissionError):
+            entry = (int(name), int(fields.get("Threads", "1")))
+            by_uid.setdefault(int(fields["Uid"].split()[0]), []).append(entry)
+            by_pgid.setdefault(int(fields["NSpgid"].split()[0]), []).append(entry)
+        except (KeyError, ValueError, IndexError):
             continue
-    return pids, tasks
+    return Snapshot(by_uid, by_pgid)
 
 
 def resident_bytes(pids: list[int]) -> int:

@@ -27,7 +27,6 @@ import acp
 from acp import schema
 from acp._transport import NdjsonTransport
 from acp.task import MessageSender, TaskSupervisor
-from django.conf import settings
 
 from agents.runtimes.base import AgentError
 
@@ -254,8 +253,6 @@ class AgentProcess:
         self.conn = acp.connect_to_agent(BridgeClient(self), self._output)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._drain_stderr()), loop.create_task(self._watch())]
-        if self.spec.sandbox is not None:
-            self._tasks.append(loop.create_task(self._monitor()))
         capabilities = schema.ClientCapabilities(
             fs=schema.FileSystemCapabilities(read_text_file=True, write_text_file=True), terminal=self.spec.terminal
         )
@@ -294,8 +291,9 @@ class AgentProcess:
         env = {**sandbox.environment(spec.home, tmp, proxy_url), **spec.env,
                **sandbox.fixed_environment(spec.home, tmp, proxy_url)}
         executable = sandbox.resolve(spec.argv[0], env["PATH"])
-        base_tasks = 0 if self.uid is not None else (await asyncio.to_thread(limits.unit_tasks, uid=os.getuid(),
-                                                                             pgid=None))[1]
+        base_tasks = 0
+        if self.uid is None:  # RLIMIT_NPROC counts every task of the service's own uid too
+            base_tasks = (await asyncio.to_thread(limits.snapshot)).unit(uid=os.getuid(), pgid=None)[1]
         self._policy = await asyncio.to_thread(
             sandbox.policy, box, executable, uid=self.uid, cwd=spec.home,
             proxy_port=self.proxy.port if self.proxy else None, base_tasks=base_tasks,
@@ -315,41 +313,34 @@ class AgentProcess:
         if self.uid is not None:
             await asyncio.to_thread(sandbox.own, path, self.uid)
 
-    async def check_limits(self) -> str | None:
-        """A sentence when the unit is past one of its limits (then the process is stopped)."""
+    async def check_limits(self, snap: limits.Snapshot | None = None, *, disk: bool = True) -> str | None:
+        """A sentence when the unit is past one of its limits (then its processes are stopped).
+        `snap` is the runtime's shared view of the processes (taken now when not given)."""
         box = self.spec.sandbox
         if box is None or self.process is None or self.failure is not None:
             return self.failure if self.failure and self._breach else None
         bounds = box.limits
-        pids, tasks = await asyncio.to_thread(limits.unit_tasks, uid=self.uid, pgid=self.process.pid)
+        if snap is None:
+            snap = await asyncio.to_thread(limits.snapshot)
+        pids, tasks = snap.unit(uid=self.uid, pgid=self.process.pid)
         breach = None
         if tasks >= bounds.processes:
             breach = f"The agent reached its limit of {bounds.processes} processes and threads"
-        elif limits.resident_bytes(pids) > bounds.memory_bytes:
+        elif await asyncio.to_thread(limits.resident_bytes, pids) > bounds.memory_bytes:
             breach = f"The agent used more than its memory limit of {limits.mib(bounds.memory_bytes)}"
-        else:
+        elif disk:
             used = await asyncio.to_thread(limits.disk_bytes, box.writable)
             if used > max(bounds.disk_bytes, self._disk_floor):
                 breach = f"The agent's workspace and home hold more than its disk limit of {limits.mib(bounds.disk_bytes)}"
             else:  # what it deleted no longer counts as allowed
                 self._disk_floor = min(self._disk_floor, max(used, bounds.disk_bytes))
-        if breach is None:
+        if breach is None or self.failure is not None:
             return None
         breach += "; its processes were stopped."
         self._breach = True
         logger.warning("ACP agent %s: %s", self.spec.label, breach)
         await self.stop(breach, kill=True)
         return breach
-
-    async def _monitor(self) -> None:
-        interval = settings.AAP_SANDBOX_MONITOR_SECONDS
-        with contextlib.suppress(asyncio.CancelledError):
-            while self.alive:
-                await asyncio.sleep(interval)
-                try:
-                    await self.check_limits()
-                except Exception as exc:
-                    logger.warning("watching ACP agent %s failed: %s", self.spec.label, type(exc).__name__)
 
     async def _close_proxy(self) -> None:
         if self.proxy is not None:
@@ -423,6 +414,8 @@ class AgentProcess:
         every request to it fails."""
         if self.failure is None:
             self.failure = reason
+        if self.process is not None and self.process.returncode is None:
+            logger.info("stopping ACP agent %s (pid %s): %s", self.spec.label, self.process.pid, reason)
         if kill and self.uid is not None and self.spec.sandbox is not None:
             async with _unit_lock(self.spec.sandbox.unit):
                 await self._kill_unit()
@@ -432,12 +425,10 @@ class AgentProcess:
         await self._stop(kill)
 
     async def _stop(self, kill: bool) -> None:
-        reason = self.failure
         for session in list(self.sessions.values()):
             session.close()
         process = self.process
         if process is not None and process.returncode is None:
-            logger.info("stopping ACP agent %s (pid %s): %s", self.spec.label, process.pid, reason)
             if kill:
                 self._signal(signal.SIGKILL)
             else:
@@ -450,8 +441,8 @@ class AgentProcess:
                     except TimeoutError:
                         self._signal(sig)
         if self.conn is not None:
-            with contextlib.suppress(Exception):
-                await self.conn.close()
+            with contextlib.suppress(Exception):  # bounded: a stop must never hang the reaper
+                await asyncio.wait_for(self.conn.close(), 5)
         if process is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(process.wait()), 5)
