@@ -708,6 +708,8 @@ class AcpRuntime(Runtime):
                 await self._drop(session_id)  # an undelivered prompt nobody came back for
         for key, process in list(self._processes.items()):
             sessions = list(process.sessions.values())
+            if process.starting:  # not alive yet: starting in its sandbox, claimed by its turn
+                continue
             if not process.alive:
                 self._processes.pop(key, None)
                 continue

@@ -218,6 +218,10 @@ class AgentProcess:
         return self.failure is None and self.process is not None and self.process.returncode is None
 
     @property
+    def starting(self) -> bool:
+        return self.failure is None and self.process is None
+
+    @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
