@@ -267,6 +267,12 @@ AAP_IDEMPOTENCY_SECONDS = env_int("AAP_IDEMPOTENCY_SECONDS", 24 * 3600)
 AAP_EMBEDDED_WORKERS = env_int("AAP_EMBEDDED_WORKERS", 8)
 # Root of per-session workspaces (ACP agents).
 AAP_WORKSPACE_ROOT = Path(os.environ.get("AAP_WORKSPACE_ROOT", VAR_DIR / "workspaces"))
+# The ACP sandbox (docs/acp-agents.md): when the service runs as root, each isolation unit's
+# agents run as a uid of its own from this range; a running unit is checked against its
+# limits this often.
+AAP_SANDBOX_UID_BASE = env_int("AAP_SANDBOX_UID_BASE", 200000)
+AAP_SANDBOX_UID_COUNT = env_int("AAP_SANDBOX_UID_COUNT", 100000)
+AAP_SANDBOX_MONITOR_SECONDS = env_float("AAP_SANDBOX_MONITOR_SECONDS", 1.0)
 
 # Per-tenant limits (sessions_app.admission): defaults for tenants that set none; 0 = no limit.
 AAP_TENANT_MAX_RUNNING_TURNS = env_int("AAP_TENANT_MAX_RUNNING_TURNS", 16)
