@@ -3,7 +3,9 @@ from django.urls import path, register_converter
 from drf_spectacular.views import SpectacularJSONAPIView, SpectacularSwaggerView
 
 from sessions_app import views as aap
+from sessions_app.playground import views as playground
 
+from . import metrics
 from .views import healthz
 
 
@@ -37,6 +39,9 @@ urlpatterns = [
         name="docs",
     ),
     path("healthz", healthz, name="healthz"),
+    path("v1/usage", aap.UsageView.as_view(), name="aap-usage"),
+    path("metrics", metrics.metrics_view, name="metrics"),
+    path("try/", playground.try_page, name="try"),
     path("admin/", admin.site.urls),
 ]
 

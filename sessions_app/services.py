@@ -16,7 +16,7 @@ from agents.models import Agent, AgentOption
 from agents.runtimes import runtime_for
 from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
 from agents.selectors import agent_definition, server_tool_specs
-from hosting import crypto
+from hosting import crypto, metrics
 from hosting.errors import BadRequest, Conflict, NotFound
 
 from . import events, host, turn_store
@@ -366,6 +366,7 @@ def turn_start(*, tenant, session_id: str, data: dict) -> Turn:
         # Permission answers go to the worker holding the prompt that waits on them (ACP).
         node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
         transaction.on_commit(lambda: _announce_and_enqueue(turn.id, node))
+    metrics.turn_started(agent=agent.name, tenant=tenant.name, stream=mode)
     return turn
 
 
@@ -577,6 +578,7 @@ def _finalize_if_lost(turn: Turn, session: Session) -> bool:
     turn_id = turn.id
     transaction.on_commit(lambda: _publish_stop(turn_id, "error", {"error": message}, seq=last + 1))
     logger.warning("turn %s was lost (%s); ended with error", turn.id, turn.status)
+    metrics.turn_lost(turn.status)
     turn.status = Turn.DONE
     return True
 

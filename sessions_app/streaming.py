@@ -13,6 +13,7 @@ import time
 from django.conf import settings
 from django.http import HttpResponse
 
+from hosting import metrics
 from hosting.handlers import on_web_threads
 
 from . import events, services
@@ -117,6 +118,7 @@ class TurnStreamHandoff:
     async def _stream(self, handoff: dict, receive, send) -> None:
         turn_id, mode, after = handoff["spec"].split(" ")
         body = json_result(turn_id) if mode == "none" else sse_stream(turn_id, int(after))
+        body = metrics.relayed(body, mode=mode, after=int(after))
         await send(handoff["start"])
         # An empty chunk makes the server write the head now (Twisted waits for body bytes), so
         # every client has `AAP-Turn-Id` at once, `stream: "none"` included.

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import openai
 
+from hosting import tracing
 from sessions_app.protocol import content_images, content_text, fold, image_kind
 
 from .base import AgentError, Compaction, Runtime, StopReason, ToolCall, TurnContext, new_tool_call_id
@@ -264,6 +265,7 @@ class OpenAIRuntime(Runtime):
             request["extra_body"] = config["extraBody"]
         return request
 
+    @tracing.model_call
     async def _call(self, turn: _Turn, tools: list[dict]) -> _Reply:
         """One streamed model call: deltas are emitted as they come, tool calls joined per index."""
         reply = _Reply()

@@ -26,6 +26,7 @@ from acp._transport import NdjsonTransport
 from acp.task import MessageSender, TaskSupervisor
 
 from agents.runtimes.base import AgentError
+from hosting import metrics
 
 from . import workspace
 from .session import AcpSession
@@ -218,6 +219,7 @@ class AgentProcess:
             logger.error("ACP agent %s: %s", self.spec.label, self.failure)
             raise AgentError(self.failure) from None
         logger.info("ACP agent %s started (pid %s, %s)", self.spec.label, self.process.pid, self.spec.argv[0])
+        metrics.acp_process_started()
         self._output = _AgentOutput(self.process.stdout, self.process.stdin)
         self.conn = acp.connect_to_agent(BridgeClient(self), self._output)
         loop = asyncio.get_running_loop()
@@ -276,6 +278,7 @@ class AgentProcess:
 
     async def _watch(self) -> None:
         code = await self.process.wait()
+        metrics.acp_process_exited()
         if self.failure is None:
             self.failure = f"The agent process exited unexpectedly (exit code {code})."
             tail = self.spec.redact("\n".join(self._stderr))
@@ -294,6 +297,7 @@ class AgentProcess:
         if process is not None and process.returncode is None:
             logger.info("stopping ACP agent %s (pid %s): %s", self.spec.label, process.pid, reason)
             if kill:
+                metrics.acp_process_killed()
                 self._signal(signal.SIGKILL)
             else:
                 with contextlib.suppress(Exception):
