@@ -2,6 +2,7 @@ from django.contrib import admin
 from django.urls import path, register_converter
 from drf_spectacular.views import SpectacularJSONAPIView, SpectacularSwaggerView
 
+from sessions_app import usage_admin
 from sessions_app import views as aap
 from sessions_app.playground import views as playground
 
@@ -42,6 +43,7 @@ urlpatterns = [
     path("v1/usage", aap.UsageView.as_view(), name="aap-usage"),
     path("metrics", metrics.metrics_view, name="metrics"),
     path("try/", playground.try_page, name="try"),
+    path("admin/usage/", usage_admin.usage, name="admin-usage"),
     path("admin/", admin.site.urls),
 ]
 
