@@ -46,7 +46,9 @@ def setup() -> None:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         # Resource.create reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES over this default.
-        resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or "aap-hosting"})
+        resource = Resource.create(
+            {"service.name": os.environ.get("OTEL_SERVICE_NAME") or "aap-hosting", "process.pid": os.getpid()}
+        )
         provider = TracerProvider(resource=resource)
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         trace.set_tracer_provider(provider)
