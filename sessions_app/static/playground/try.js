@@ -28,7 +28,7 @@ async function api(method, path, body) {
   if (!response.ok) {
     let message = response.status + " " + response.statusText;
     try { message = (await response.json()).error || message; } catch { /* not JSON */ }
-    if (response.status === 401) signOut();
+    if (response.status === 401) forget();
     throw new Error(message);
   }
   return response;
@@ -36,8 +36,16 @@ async function api(method, path, body) {
 
 // --- sign in, agents, options ------------------------------------------------------------
 
-function signOut() {
+// A token the API refused (or a sign-out): nothing of it stays in this tab.
+function forget() {
   for (const key of ["token", "session", "turn"]) store.drop(key);
+  $("signin-form").hidden = false;
+  $("signed-in").hidden = true;
+  $("workspace").hidden = true;
+}
+
+function signOut() {
+  forget();
   location.reload();
 }
 
