@@ -170,11 +170,13 @@ def test_a_permission_is_granted_from_the_page(chromium, try_stack, artefacts):
         try:
             page.check("[data-testid=tool-add]")  # enabled, not trusted: the agent must ask
             new_session(page)
+            send(page, "/think which tool adds")
+            wait_stops(page, 1)
             send(page, '/tool add {"a": 2, "b": 3}')
-            assert wait_stops(page, 1) == "stop: tool_use"
+            assert wait_stops(page, 2) == "stop: tool_use"
             page.screenshot(path=str(artefacts / "permission.png"), full_page=True)
             page.click("[data-testid=grant]")
-            assert wait_stops(page, 2) == "stop: end_turn"
+            assert wait_stops(page, 3) == "stop: end_turn"
             return page.locator("[data-testid=msg-tool]").last.text_content(), last_text(page)
         finally:
             context.close()
