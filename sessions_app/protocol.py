@@ -9,22 +9,30 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
 
 import jsonschema
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from agents.runtimes.base import HISTORY_TYPES, STOP_REASONS, STREAM_MODES
+# The framework-free core (shapes, fold, SSE) lives in `aap`; re-exported here so the API
+# layer has one protocol module to import from.
+from aap.messages import (  # noqa: F401
+    DATA_URI_RE,
+    MessageShaper,
+    content_images,
+    content_text,
+    denial_text,
+    dumps,
+    fold,
+    image_kind,
+    tool_uses,
+)
+from aap.sse import SSE_PING, event_data, sse_frame  # noqa: F401
+from aap.types import EVENT_NAMES, HISTORY_TYPES, STOP_REASONS, STREAM_MODES
 
 TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-DATA_URI_RE = re.compile(r"^data:[\w.+-]+/[\w.+-]+;base64,[A-Za-z0-9+/=\s]+$")
 
-EVENT_NAMES = (
-    "turn_start", "text_delta", "thinking_delta", "text", "thinking",
-    "tool_call", "tool_result", "turn_stop",
-)
 
 
 # --- strict scalar fields (AAP is JSON: no coercion of 1 to "1" or "true" to True) --------
@@ -57,14 +65,6 @@ class JSONObjectField(serializers.Field):
 
     def to_representation(self, value):
         return value
-
-
-def image_kind(url: str) -> str | None:
-    if url.startswith("https://") and len(url) > len("https://"):
-        return "http"
-    if DATA_URI_RE.match(url):
-        return "data"
-    return None
 
 
 # --- content blocks and messages ----------------------------------------------------------
@@ -313,121 +313,3 @@ class TurnResponseSerializer(serializers.Serializer):
 class ErrorSerializer(serializers.Serializer):
     error = serializers.CharField()
     details = serializers.JSONField(required=False)
-
-
-# --- messages ------------------------------------------------------------------------------
-
-
-def dumps(value) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-def content_text(content) -> str:
-    """The text of a content value: a string, or its text blocks joined by a newline."""
-    if isinstance(content, str):
-        return content
-    return "\n".join(block.get("text", "") for block in content if block.get("type") == "text")
-
-
-def content_images(content) -> list[dict]:
-    if isinstance(content, str):
-        return []
-    return [block for block in content if block.get("type") == "image"]
-
-
-def tool_uses(message: dict) -> list[dict]:
-    content = message.get("content")
-    if message.get("role") != "assistant" or not isinstance(content, list):
-        return []
-    return [block for block in content if block.get("type") == "tool_use"]
-
-
-def denial_text(reason: str | None) -> str:
-    return f"Tool call denied: {reason}" if reason else "Tool call denied"
-
-
-# --- events ---------------------------------------------------------------------------------
-
-
-def event_data(event: dict) -> dict:
-    return {key: value for key, value in event.items() if key != "event"}
-
-
-def sse_frame(event_id: str | int | None, event: dict) -> bytes:
-    head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}event: {event['event']}\ndata: {dumps(event_data(event))}\n\n".encode()
-
-
-SSE_PING = b": ping\n\n"
-
-
-def fold(events: Iterable[dict]) -> list[dict]:
-    """Fold a turn's events into the AgentMessages they stand for.
-
-    Text and thinking deltas join into blocks of one assistant message (a `text` or
-    `thinking` event is one whole block); a `tool_call` adds a `tool_use` block; a
-    `tool_result` closes the assistant message and adds a `tool` message.
-    """
-    messages: list[dict] = []
-    blocks: list[dict] | None = None
-    last_delta: str | None = None  # the kind of delta the last block was built from
-
-    for event in events:
-        name = event["event"]
-        if name in ("text_delta", "thinking_delta", "text", "thinking"):
-            kind = "text" if name.startswith("text") else "thinking"
-            piece = event.get("delta") if name.endswith("_delta") else event[kind]
-            if blocks is None:
-                blocks = []
-            if name.endswith("_delta") and last_delta == kind and blocks and blocks[-1]["type"] == kind:
-                blocks[-1][kind] += piece
-            else:
-                blocks.append({"type": kind, kind: piece})
-            last_delta = kind if name.endswith("_delta") else None
-        elif name == "tool_call":
-            if blocks is None:
-                blocks = []
-            blocks.append(
-                {"type": "tool_use", "toolCallId": event["toolCallId"], "name": event["name"], "input": event["input"]}
-            )
-            last_delta = None
-        elif name == "tool_result":
-            if blocks:
-                messages.append({"role": "assistant", "content": blocks})
-            blocks, last_delta = None, None
-            messages.append({"role": "tool", "toolCallId": event["toolCallId"], "content": event["content"]})
-    if blocks:
-        messages.append({"role": "assistant", "content": blocks})
-    return messages
-
-
-class MessageShaper:
-    """Shapes a runtime's delta events for one stream mode.
-
-    `delta` passes events through; `message` (and `none`, which is published in message
-    shape for re-attach) joins runs of deltas into one `text` / `thinking` event per part.
-    """
-
-    def __init__(self, mode: str):
-        self.mode = mode
-        self._kind: str | None = None
-        self._parts: list[str] = []
-
-    def feed(self, event: dict) -> list[dict]:
-        if self.mode == "delta":
-            return [event]
-        name = event["event"]
-        if name in ("text_delta", "thinking_delta"):
-            kind = name[: -len("_delta")]
-            out = self.flush() if self._kind not in (None, kind) else []
-            self._kind = kind
-            self._parts.append(event["delta"])
-            return out
-        return self.flush() + [event]
-
-    def flush(self) -> list[dict]:
-        if self._kind is None:
-            return []
-        event = {"event": self._kind, self._kind: "".join(self._parts)}
-        self._kind, self._parts = None, []
-        return [event]

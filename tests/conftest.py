@@ -115,11 +115,16 @@ def other(pg_stack):
     client.close()
 
 
+UNIT_TIER = ROOT / "tests" / "unit"
+
+
 def pytest_collection_modifyitems(items):
     # pytest-django creates the test database only for tests that ask for it; every test
-    # here drives processes that use it, so all of them do (reads only, inside a rollback).
+    # outside the unit tier drives processes that use it, so all of those do (reads only,
+    # inside a rollback). Unit tests touch no database.
     for item in items:
-        item.add_marker(pytest.mark.django_db)
+        if UNIT_TIER not in item.path.parents:
+            item.add_marker(pytest.mark.django_db)
 
 
 CHROMIUM = os.environ.get("AAP_CHROMIUM", "/usr/bin/chromium")

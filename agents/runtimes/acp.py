@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import acp
 
-from sessions_app.protocol import denial_text
+from aap.messages import denial_text
 
 from .acp_bridge import routing, workspace
 from .acp_bridge.process import AgentProcess, ProcessSpec

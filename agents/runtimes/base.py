@@ -14,10 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
-StopReason = Literal["end_turn", "tool_use", "max_tokens", "refusal", "error"]
-STOP_REASONS = ("end_turn", "tool_use", "max_tokens", "refusal", "error")
-HISTORY_TYPES = ("compacted", "full")
-STREAM_MODES = ("delta", "message", "none")
+from aap.types import HISTORY_TYPES, STOP_REASONS, STREAM_MODES, StopReason  # noqa: F401 (re-exported)
 
 
 def new_tool_call_id() -> str:

@@ -18,7 +18,7 @@ import json
 import re
 import time
 
-from sessions_app.protocol import content_images, content_text, tool_uses
+from aap.messages import content_images, content_text, tool_uses
 
 from .base import Compaction, Runtime, StopReason, ToolCall, TurnContext, new_tool_call_id
 
