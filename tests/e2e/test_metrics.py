@@ -217,3 +217,40 @@ def test_grafana_dashboard_is_built_on_these_families():
             base = re.sub(r"_(total|bucket|count|sum)$", "", name)
             assert f'"{base}"' in metrics_source, f"{name} in the dashboard is not a family the service exports"
     assert any(v["name"] == "datasource" for v in dashboard["templating"]["list"])
+
+
+def test_the_monitoring_compose_profile_scrapes_the_services_and_shows_the_dashboard():
+    """The compose file's monitoring profile, validated for structure (no Docker in the suite)."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    monitoring = {name for name, service in services.items() if "monitoring" in service.get("profiles", [])}
+    assert monitoring == {"prometheus", "grafana"}
+    for name in ("web", "worker", "postgres", "redis"):
+        assert "profiles" not in services[name], f"{name} must run without the profile"
+    env = compose["x-env"]
+    assert env["AAP_METRICS"] == "${AAP_METRICS:-off}" and env["AAP_METRICS_ADDR"] == "0.0.0.0"
+
+    def mounts(service):
+        pairs = [volume.split(":")[:2] for volume in services[service]["volumes"]]
+        return {target: source for source, target in pairs}
+
+    for service in monitoring:
+        for target, source in mounts(service).items():
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), f"{service} mounts {source}, which is not in the repository"
+            else:
+                assert source in compose["volumes"], f"{service} uses the undeclared volume {source}"
+        for port in services[service]["ports"]:
+            assert port.startswith("127.0.0.1:"), "monitoring ports stay on the host's loopback"
+    prometheus = yaml.safe_load((ROOT / mounts("prometheus")["/etc/prometheus/prometheus.yml"]).read_text())
+    targets = {t for job in prometheus["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    from django.conf import settings
+
+    assert targets == {f"web:{settings.AAP_METRICS_PORT}", f"worker:{settings.AAP_METRICS_PORT}"}
+    grafana = mounts("grafana")
+    assert grafana["/var/lib/grafana/dashboards/aap-hosting.json"] == "./docs/grafana-dashboard.json"
+    provisioning = ROOT / grafana["/etc/grafana/provisioning"]
+    provider = yaml.safe_load((provisioning / "dashboards" / "aap.yml").read_text())["providers"][0]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    source = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
