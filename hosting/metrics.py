@@ -168,6 +168,7 @@ async def relayed(body, *, mode: str, after: int):
             yield chunk
     finally:
         gauge.dec()
+        await body.aclose()  # the caller closes this wrapper; the turn's follower must close too
 
 
 # --- the queue: wait time (Celery headers) and depth (at scrape time) -------------------------

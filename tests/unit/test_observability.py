@@ -86,3 +86,22 @@ def test_a_relayed_stream_is_open_until_its_body_ends():
     seen_open, after, relayed = asyncio.run(run())
     assert seen_open == [1, 1, 1] and after == 0
     assert relayed == 2  # the ping is not an event
+
+
+def test_closing_a_relayed_stream_closes_the_turns_follower():
+    closed = []
+
+    async def follower():
+        try:
+            while True:
+                yield b"id: 1\nevent: text_delta\ndata: {}\n\n"
+        finally:
+            closed.append(True)
+
+    async def run():
+        wrapped = metrics.relayed(follower(), mode="delta", after=0)
+        await wrapped.__anext__()
+        await wrapped.aclose()  # what TurnStreamHandoff does when the client goes away
+        return list(closed)  # at once, not when the loop shuts its generators down
+
+    assert asyncio.run(run()) == [True]
