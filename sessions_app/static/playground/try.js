@@ -368,6 +368,21 @@ function showPending(calls) {
   }
 }
 
+// The tool calls a history ends with that have no tool message yet (what the agent waits for).
+function unanswered(history) {
+  for (let i = history.length - 1; i >= 0; i--) {
+    const message = history[i];
+    const calls = message.role === "assistant" && Array.isArray(message.content)
+      ? message.content.filter((block) => block.type === "tool_use") : [];
+    if (calls.length) {
+      const answered = new Set(history.slice(i + 1).filter((m) => m.role === "tool").map((m) => m.toolCallId));
+      return calls.filter((call) => !answered.has(call.toolCallId));
+    }
+    if (message.role === "user") return [];
+  }
+  return [];
+}
+
 // --- wiring ------------------------------------------------------------------------------------
 
 document.addEventListener("DOMContentLoaded", async () => {
@@ -400,8 +415,9 @@ document.addEventListener("DOMContentLoaded", async () => {
   }
   showSession();
   if (store.get("session")) {
-    await loadHistory(true).catch((error) => status(error.message));
+    const history = await loadHistory(true).catch((error) => { status(error.message); return []; });
     const saved = store.get("turn");
     if (saved && saved.sessionId === store.get("session").id) reattach(saved);
+    else showPending(unanswered(history));
   }
 });
