@@ -174,14 +174,17 @@ async def relayed(body, *, mode: str, after: int):
 # --- the queue: wait time (Celery headers) and depth (at scrape time) -------------------------
 
 _ENQUEUED_AT = "aap_enqueued_at"
+RUN_TURN = "sessions_app.tasks.run_turn"  # other tasks (the periodic sweep) are not turns
 
 
-def _stamp_enqueue(headers=None, **kwargs) -> None:
-    if headers is not None:
+def _stamp_enqueue(sender=None, headers=None, **kwargs) -> None:
+    if headers is not None and sender == RUN_TURN:
         headers[_ENQUEUED_AT] = time.time()
 
 
 def _observe_wait(task=None, **kwargs) -> None:
+    if getattr(task, "name", None) != RUN_TURN:
+        return
     stamp = getattr(getattr(task, "request", None), _ENQUEUED_AT, None)
     if isinstance(stamp, (int, float)):
         QUEUE_WAIT.observe(max(0.0, time.time() - stamp))

@@ -105,3 +105,10 @@ def test_closing_a_relayed_stream_closes_the_turns_follower():
         return list(closed)  # at once, not when the loop shuts its generators down
 
     assert asyncio.run(run()) == [True]
+
+
+def test_only_turn_tasks_carry_an_enqueue_time():
+    sweep, turn = {}, {}
+    metrics._stamp_enqueue(sender="sessions_app.tasks.sweep_stale_turns", headers=sweep)
+    metrics._stamp_enqueue(sender=metrics.RUN_TURN, headers=turn)
+    assert sweep == {} and isinstance(turn[metrics._ENQUEUED_AT], float)
