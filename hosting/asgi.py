@@ -25,7 +25,6 @@ application = ProtocolTypeRouter(
 )
 
 
-
 def _let_django_read_bodies() -> None:
     """Twisted parses form and multipart bodies before Daphne sees a request, answering a
     malformed one with a bare HTML 400 (not the API's JSON error) and spending ~0.3 ms of
@@ -37,6 +36,11 @@ def _let_django_read_bodies() -> None:
 
 
 _let_django_read_bodies()
+
+from hosting import server_limits  # noqa: E402
+
+# Body size and slow-client limits at the HTTP layer, before authentication or any view.
+server_limits.install()
 
 from hosting.process import freeze_startup_heap  # noqa: E402
 

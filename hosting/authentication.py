@@ -63,6 +63,16 @@ def _active_token(where: str, value) -> ApiToken | None:
     return token
 
 
+def token_is_active(token_id: int) -> bool:
+    """The token is neither revoked nor expired and its tenant is active (open streams recheck it)."""
+    from django.db.models import Q
+
+    return ApiToken.objects.filter(
+        Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()),
+        pk=token_id, revoked_at__isnull=True, tenant__is_active=True,
+    ).exists()
+
+
 class BearerTokenAuthentication(authentication.BaseAuthentication):
     keyword = "Bearer"
 

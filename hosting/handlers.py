@@ -115,11 +115,14 @@ def _rendered(view):
 
 
 class PathRouter:
-    """ASGI: `/v1/` to the API handler, everything else (admin, static, health) to `default`."""
+    """ASGI: `/v1/` and `/healthz` to the API handler, everything else (admin, static) to
+    `default`. /healthz avoids the admin chain, whose CommonMiddleware refuses a Host outside
+    ALLOWED_HOSTS: the container's healthcheck calls it by address."""
 
     def __init__(self, api, default, prefix: str = "/v1/"):
         self.api, self.default, self.prefix = api, default, prefix
 
     async def __call__(self, scope, receive, send):
-        app = self.api if scope.get("path", "").startswith(self.prefix) else self.default
+        path = scope.get("path", "")
+        app = self.api if path.startswith(self.prefix) or path == "/healthz" else self.default
         return await app(scope, receive, send)

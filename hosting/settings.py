@@ -69,6 +69,29 @@ DEBUG = env_bool("DEBUG", False)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
 
+# --- HTTPS (behind a TLS-terminating proxy): AAP_HTTPS=true turns every switch on ----------
+AAP_HTTPS = env_bool("AAP_HTTPS", False)
+# "HTTP_X_FORWARDED_PROTO,https": the header (as Django names it) and value the proxy sets.
+if os.environ.get("SECURE_PROXY_SSL_HEADER"):
+    SECURE_PROXY_SSL_HEADER = tuple(env_list("SECURE_PROXY_SSL_HEADER"))
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", AAP_HTTPS)
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]  # the container's healthcheck speaks plain HTTP
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31536000 if AAP_HTTPS else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", AAP_HTTPS)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", AAP_HTTPS)
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", AAP_HTTPS)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", AAP_HTTPS)
+# An admin login lasts a working day, not Django's two weeks.
+SESSION_COOKIE_AGE = env_int("SESSION_COOKIE_AGE", 8 * 3600)
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+# On the HTML pages (admin, /v1/docs): only this server's scripts, styles and images.
+AAP_CONTENT_SECURITY_POLICY = os.environ.get(
+    "AAP_CONTENT_SECURITY_POLICY",
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "object-src 'none'; base-uri 'self'; form-action 'self'; frame-ancestors 'none'",
+)
+
 INSTALLED_APPS = [
     "daphne",
     "django.contrib.admin",
@@ -88,7 +111,9 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "hosting.middleware.HostValidationMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    "hosting.middleware.ContentSecurityPolicyMiddleware",
     "hosting.errors.BodyLimitMiddleware",
     "corsheaders.middleware.CorsMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -102,7 +127,9 @@ MIDDLEWARE = [
 # The AAP API's chain (hosting.handlers.ApiHandler): async-native, no sessions or CSRF
 # (the API authenticates with bearer tokens); the admin keeps MIDDLEWARE.
 AAP_API_MIDDLEWARE = [
+    "hosting.middleware.HostValidationMiddleware",
     "hosting.handlers.AsyncSecurityMiddleware",
+    "hosting.middleware.ContentSecurityPolicyMiddleware",
     "hosting.errors.BodyLimitMiddleware",
     "corsheaders.middleware.CorsMiddleware",
     "hosting.handlers.AsyncXFrameOptionsMiddleware",
@@ -190,6 +217,9 @@ AAP_PUBLIC_META = env_bool("AAP_PUBLIC_META", True)
 # Largest request body accepted, in bytes (413 beyond it).
 AAP_MAX_BODY_BYTES = env_int("AAP_MAX_BODY_BYTES", 10 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = AAP_MAX_BODY_BYTES
+# A request's line and headers, then its body, must arrive within these (408 otherwise).
+AAP_REQUEST_HEADERS_TIMEOUT_SECONDS = env_float("AAP_REQUEST_HEADERS_TIMEOUT_SECONDS", 10.0)
+AAP_REQUEST_BODY_TIMEOUT_SECONDS = env_float("AAP_REQUEST_BODY_TIMEOUT_SECONDS", 60.0)
 # How long a turn's events can be replayed after it ends.
 AAP_EVENT_RETENTION_SECONDS = env_int("AAP_EVENT_RETENTION_SECONDS", 3600)
 # How long an `AAP-Events-Ticket` (EventSource re-attach without headers) stays valid.
@@ -223,10 +253,10 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
-    "APPEND_COMPONENTS": {
-        "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
-    },
-    "SECURITY": [{"bearerAuth": []}],
+    # 3.1: schemas are JSON Schema 2020-12 (the SSE events' contentSchema needs it).
+    "OAS_VERSION": "3.1.0",
+    # Bearer auth (hosting.openapi.BearerTokenScheme), wire shapes, streams, links, common errors.
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "hosting.openapi.postprocess"],
 }
 
 CORS_ALLOWED_ORIGINS = env_list("CORS_ALLOWED_ORIGINS")

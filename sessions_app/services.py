@@ -6,6 +6,7 @@ Views validate shapes (protocol serializers) and call one service; tasks call
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -17,11 +18,11 @@ from agents.runtimes import runtime_for
 from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
 from agents.selectors import agent_definition, server_tool_specs
 from hosting import crypto, metrics
-from hosting.errors import BadRequest, Conflict, NotFound
+from hosting.errors import BadRequest, Conflict, NotFound, describe_failure
 
 from . import events, host, turn_store
 from .models import Message, Session, Turn, new_turn_id
-from .protocol import content_images, dumps, fold, image_kind, tool_uses
+from .protocol import content_images, dumps, fold, image_kind, tool_uses, unstorable
 
 logger = logging.getLogger(__name__)
 
@@ -337,6 +338,9 @@ def turn_start(*, tenant, session_id: str, data: dict) -> Turn:
         agent = agent_definition(session.agent_id, session.agent_revision)
         if not agent.enabled:
             raise BadRequest(f"Agent '{agent.name}' is disabled; the operator can enable it again.")
+        # Access is checked on every turn: an operator may have restricted the agent since.
+        if not Agent.objects.for_tenant(tenant).filter(pk=agent.pk).exists():
+            raise BadRequest(f"Agent '{agent.name}' is no longer available to this tenant; ask the operator.")
         agent_config = data.get("agent") or {}
         if agent_config.get("name") not in (None, agent.name):
             raise BadRequest(f"This session runs agent '{agent.name}'; agent.name cannot change.")
@@ -473,11 +477,24 @@ def turn_execute(turn_id: str) -> None:
         # The agent may run for minutes: give the connection back to the pool meanwhile.
         connection.close()
         outcome = host.execute_sync(plan)
-    _finish(turn_id, claimed.session_pk, outcome, compacted)
+    try:
+        _finish(turn_id, claimed.session_pk, outcome, compacted)
+    except Exception as exc:
+        # Never re-raised to Celery, which would log the database's text (it quotes the values).
+        logger.error("turn %s could not be stored: %s", turn_id, describe_failure(exc))
+        backend.clear_lease_sync(turn_id)  # listeners end it as lost at their next check
 
 
 def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted: list[tuple[int, dict]]) -> None:
     """Persist a turn's messages, pending calls and usage atomically, then publish turn_stop."""
+    problem = unstorable(outcome.pending_calls)
+    if problem:
+        # History keeps the calls as produced (stored as text); jsonb cannot keep them pending.
+        sentence = "The agent produced a tool call that cannot be kept waiting for an answer: its input holds " \
+                   "a NUL character (\\u0000) or a non-finite number."
+        outcome = dataclasses.replace(
+            outcome, stop_reason="error", pending_calls=[], error=sentence, stop_meta={**outcome.stop_meta, "error": sentence}
+        )
     with transaction.atomic():
         ended = turn_store.end_turn(
             turn_id,

@@ -14,6 +14,7 @@ from django.conf import settings
 from django.http import HttpResponse
 
 from hosting import metrics
+from hosting.authentication import token_is_active
 from hosting.handlers import on_web_threads
 
 from . import events, services
@@ -22,20 +23,34 @@ from .protocol import SSE_PING, dumps, event_data, fold, sse_frame
 LIVENESS_CHECK_SECONDS = 5.0
 
 _recover = on_web_threads(services.turn_recover_if_lost)
+_token_active = on_web_threads(token_is_active)
+# Yielded by _follow when the stream's API token was revoked (or expired) meanwhile.
+REVOKED = object()
+REVOKED_SENTENCE = "The API token of this stream was revoked or expired; the turn goes on, re-attach with a valid token."
 
 
-async def _follow(turn_id: str, after: int):
-    """Events of the turn, with QUIET markers at most every LIVENESS_CHECK_SECONDS."""
+async def _follow(turn_id: str, after: int, token_id: int | None = None):
+    """Events of the turn, with QUIET markers at most every LIVENESS_CHECK_SECONDS; ends
+    with REVOKED once the stream's token is no longer valid (checked as often)."""
     quiet = min(LIVENESS_CHECK_SECONDS, settings.AAP_SSE_PING_SECONDS)
+    checked = time.monotonic()
     async for item in events.follow(turn_id, after, quiet_seconds=quiet):
+        if token_id is not None and time.monotonic() - checked >= LIVENESS_CHECK_SECONDS:
+            checked = time.monotonic()
+            if not await _token_active(token_id):
+                yield REVOKED
+                return
         if item is events.QUIET:
             await _recover(turn_id)
         yield item
 
 
-async def sse_stream(turn_id: str, after: int = 0):
+async def sse_stream(turn_id: str, after: int = 0, token_id: int | None = None):
     last_write = time.monotonic()
-    async for item in _follow(turn_id, after):
+    async for item in _follow(turn_id, after, token_id):
+        if item is REVOKED:
+            yield f": {REVOKED_SENTENCE}\n\n".encode()
+            return
         now = time.monotonic()
         if item is events.QUIET:
             if now - last_write >= settings.AAP_SSE_PING_SECONDS - 0.5:
@@ -47,12 +62,15 @@ async def sse_stream(turn_id: str, after: int = 0):
         yield sse_frame(seq, event)
 
 
-async def json_result(turn_id: str):
+async def json_result(turn_id: str, token_id: int | None = None):
     """The `stream: "none"` body. Leading blanks keep idle connections open (valid JSON)."""
     collected: list[dict] = []
     stop: dict = {}
     last_write = time.monotonic()
-    async for item in _follow(turn_id, 0):
+    async for item in _follow(turn_id, 0, token_id):
+        if item is REVOKED:
+            yield dumps({"error": REVOKED_SENTENCE}).encode()
+            return
         if item is events.QUIET:
             if time.monotonic() - last_write >= settings.AAP_SSE_PING_SECONDS - 0.5:
                 last_write = time.monotonic()
@@ -75,13 +93,13 @@ async def json_result(turn_id: str):
 HANDOFF_HEADER = "X-AAP-Turn-Stream"
 
 
-def turn_response(turn_id: str, mode: str, *, after: int = 0) -> HttpResponse:
+def turn_response(turn_id: str, mode: str, *, after: int = 0, token_id: int | None = None) -> HttpResponse:
     response = HttpResponse(content_type="application/json" if mode == "none" else "text/event-stream")
     if mode != "none":
         response["X-Accel-Buffering"] = "no"
     response["Cache-Control"] = "no-cache"
     response["AAP-Turn-Id"] = turn_id
-    response[HANDOFF_HEADER] = f"{turn_id} {mode} {after}"
+    response[HANDOFF_HEADER] = f"{turn_id} {mode} {after} {token_id or 0}"
     return response
 
 
@@ -116,8 +134,9 @@ class TurnStreamHandoff:
             await self._stream(handoff, receive, send)
 
     async def _stream(self, handoff: dict, receive, send) -> None:
-        turn_id, mode, after = handoff["spec"].split(" ")
-        body = json_result(turn_id) if mode == "none" else sse_stream(turn_id, int(after))
+        turn_id, mode, after, token = handoff["spec"].split(" ")
+        token_id = int(token) or None
+        body = json_result(turn_id, token_id) if mode == "none" else sse_stream(turn_id, int(after), token_id)
         body = metrics.relayed(body, mode=mode, after=int(after))
         await send(handoff["start"])
         # An empty chunk makes the server write the head now (Twisted waits for body bytes), so

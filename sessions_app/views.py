@@ -1,5 +1,7 @@
 """AAP v3 endpoints. Thin: validate with a protocol serializer, call one service, answer."""
 
+import re
+
 from django.conf import settings
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -70,10 +72,7 @@ class SessionsView(APIView):
 
     @extend_schema(
         summary="List sessions, newest first",
-        parameters=[
-            OpenApiParameter("after", OpenApiTypes.STR, description="The `next` cursor of the previous page."),
-            OpenApiParameter("limit", OpenApiTypes.INT, description="1 to 100 (default 20)."),
-        ],
+        parameters=[protocol.SessionListQuerySerializer],
         responses={200: protocol.SessionListSerializer, **ERRORS},
     )
     def get(self, request):
@@ -95,7 +94,7 @@ class SessionView(APIView):
 class HistoryView(APIView):
     @extend_schema(
         summary="Read a session's history",
-        parameters=[OpenApiParameter("type", OpenApiTypes.STR, enum=["compacted", "full"], required=True)],
+        parameters=[protocol.HistoryQuerySerializer],
         responses={200: protocol.HistorySerializer, **ERRORS},
     )
     def get(self, request, session_id):
@@ -121,14 +120,15 @@ class TurnsView(APIView):
     def post(self, request, session_id):
         data = _validated(protocol.TurnRequestSerializer, request.data)
         turn = services.turn_start(tenant=request.user.tenant, session_id=session_id, data=data)
-        response = turn_response(turn.id, turn.stream)
+        response = turn_response(turn.id, turn.stream, token_id=request.user.token.pk)
         response["AAP-Events-Ticket"] = turn_events_ticket(request.user.token, session_id, turn.id)
         return response
 
 
 def _last_event_id(request) -> int:
     raw = request.headers.get("Last-Event-ID") or request.query_params.get("after") or "0"
-    if not raw.isdigit():
+    # ASCII digits only: str.isdigit() also accepts "²", which int() refuses.
+    if not re.fullmatch(r"[0-9]{1,18}", raw):
         raise BadRequest("Last-Event-ID must be the number of the last event you received (its 'id:').")
     return int(raw)
 
@@ -140,7 +140,10 @@ class TurnEventsView(APIView):
     @extend_schema(
         summary="Re-attach to a turn's events",
         parameters=[
-            OpenApiParameter("Last-Event-ID", OpenApiTypes.INT, OpenApiParameter.HEADER),
+            OpenApiParameter("Last-Event-ID", {"type": "integer", "minimum": 0, "maximum": 10**18 - 1}, OpenApiParameter.HEADER,
+                             description="The id of the last event received (default 0: from the start)."),
+            OpenApiParameter("after", {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
+                             description="Same as Last-Event-ID, for clients that cannot set headers."),
             OpenApiParameter(
                 "ticket", OpenApiTypes.STR,
                 description="The turn's `AAP-Events-Ticket` header, for clients that cannot send "
@@ -170,11 +173,11 @@ class TurnEventsView(APIView):
             if last[1].get("event") == "turn_stop" and last[0] <= after:
                 # The reader has everything: 204 tells an EventSource to stop reconnecting.
                 return Response(status=status.HTTP_204_NO_CONTENT)
-        return turn_response(turn.id, "delta" if turn.stream == "delta" else "message", after=after)
+        return turn_response(turn.id, "delta" if turn.stream == "delta" else "message", after=after, token_id=request.auth.pk)
 
 
 class TurnCancelView(APIView):
-    @extend_schema(summary="Cancel a running turn", request=None, responses={202: OpenApiTypes.OBJECT, **ERRORS})
+    @extend_schema(summary="Cancel a running turn", request=None, responses={202: protocol.TurnCancelSerializer, **ERRORS})
     def post(self, request, session_id, turn_id):
         turn = services.turn_cancel(tenant=request.user.tenant, session_id=session_id, turn_id=turn_id)
         return Response({"turnId": turn.id, "cancelling": turn.status != Turn.DONE}, status=status.HTTP_202_ACCEPTED)

@@ -33,7 +33,7 @@ def test_openapi_document_is_valid_openapi_3_with_the_aap_paths(document):
     for path, methods in AAP_PATHS.items():
         assert path in document["paths"], path
         assert methods <= set(document["paths"][path]), path
-    assert document["components"]["securitySchemes"]["bearerAuth"] == {"type": "http", "scheme": "bearer"}
+    assert document["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
 
 
 def _schema(document: dict, ref_or_schema: dict) -> dict:
@@ -46,7 +46,8 @@ def test_openapi_document_describes_the_real_shapes(document):
     create = document["paths"]["/v1/sessions"]["post"]
     request = _schema(document, create["requestBody"]["content"]["application/json"]["schema"])
     assert request["required"] == ["agent"]
-    assert _schema(document, request["properties"]["messages"]["items"])["type"] == "object", "messages are objects"
+    variants = request["properties"]["messages"]["items"]["oneOf"]
+    assert all(_schema(document, v)["type"] == "object" for v in variants), "messages are objects"
     tool = _schema(document, request["properties"]["tools"]["items"])
     assert tool["properties"]["parameters"]["type"] == "object", "parameters is a JSON Schema object"
     created = _schema(document, create["responses"]["201"]["content"]["application/json"]["schema"])
@@ -66,7 +67,9 @@ def test_docs_page_loads_with_its_static_assets(pg_stack):
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/html")
     html = response.text
-    assert "/v1/openapi.json" in html, "the UI loads the document of this server"
+    # The start-up script is a file of its own (no inline script, for the CSP); it loads this server's document.
+    [script] = re.findall(r"""<script src=["']([^"']*/v1/docs\?script=[^"']*)["']""", html)
+    assert "/v1/openapi.json" in httpx.get(urljoin(pg_stack.base_url + "/v1/docs", script), timeout=60).text
     assets = set(re.findall(r"""(?:src|href)=["']([^"']*/static/[^"']+)["']""", html))
     assert any(a.endswith(".js") for a in assets), assets
     for asset in assets:
@@ -79,3 +82,135 @@ def test_health_is_ok_when_database_and_redis_answer(pg_stack):
     response = httpx.get(pg_stack.base_url + "/healthz", timeout=30)
     assert response.status_code == 200
     assert response.json() == {"status": "ok", "checks": {"database": "ok", "redis": "ok"}}
+
+
+# --- the document says what the server enforces ---------------------------------------------------
+
+
+def _operation(document: dict, path: str, method: str) -> dict:
+    return document["paths"][path][method]
+
+
+def _parameter(operation: dict, name: str) -> dict:
+    return next(p for p in operation["parameters"] if p["name"] == name)
+
+
+def test_operation_ids_are_unique_and_named_after_what_they_do(document):
+    ids = [op["operationId"] for item in document["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids)), ids
+    assert {"createSession", "listSessions", "getSession", "sendTurn", "reattachTurn", "cancelTurn"} <= set(ids)
+
+
+def test_generating_the_document_gives_no_warning_or_error(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+
+    env = {**os.environ, "HOSTING_VAR_DIR": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "manage.py", "spectacular", "--validate", "--fail-on-warn", "--file", str(tmp_path / "schema.yaml")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Warning" not in result.stderr and "Error" not in result.stderr, result.stderr
+
+
+def test_the_document_states_the_limits_the_server_enforces(document):
+    limit = _parameter(_operation(document, "/v1/sessions", "get"), "limit")["schema"]
+    assert (limit["minimum"], limit["maximum"]) == (1, 100)
+    events = _operation(document, "/v1/sessions/{session_id}/turns/{turn_id}/events", "get")
+    assert _parameter(events, "Last-Event-ID")["schema"]["minimum"] == 0
+    turn = _schema(document, _operation(document, "/v1/sessions/{session_id}/turns", "post")
+                   ["requestBody"]["content"]["application/json"]["schema"])
+    assert turn["properties"]["messages"]["minItems"] == 1
+    for name, schema in document["components"]["schemas"].items():
+        if name.endswith("Request") or name.endswith("Message") and "properties" in schema:
+            assert schema.get("additionalProperties") is False, name
+            assert "_meta" in schema["properties"], name
+
+
+def test_messages_blocks_and_events_are_schemas_not_prose(document):
+    schemas = document["components"]["schemas"]
+    for name in ("UserMessage", "AssistantMessage", "ToolMessage", "ToolPermissionMessage", "SystemMessage",
+                 "TextBlock", "ToolUseBlock", "ImageBlock", "TurnStartEvent", "TextDeltaEvent", "ToolCallEvent",
+                 "TurnStopEvent"):
+        assert schemas[name]["type"] == "object" and schemas[name]["additionalProperties"] is False, name
+        assert name == "TurnStartEvent" or schemas[name]["required"], name
+    stream = _operation(document, "/v1/sessions/{session_id}/turns", "post")["responses"]["200"]["content"]
+    assert set(stream) == {"application/json", "text/event-stream"}
+    event = _schema(document, stream["text/event-stream"]["schema"])
+    names = {variant["properties"]["event"]["enum"][0] for variant in event["oneOf"]}
+    assert names == {"turn_start", "text_delta", "thinking_delta", "text", "thinking", "tool_call", "tool_result", "turn_stop"}
+
+
+def _validator(document: dict, schema: dict):
+    import jsonschema
+
+    return jsonschema.Draft202012Validator({**schema, "components": document["components"]})
+
+
+def test_every_request_example_is_valid_and_works_when_sent_unchanged(document, pg_stack, demo):
+    sent = 0
+    for path, item in document["paths"].items():
+        for method, operation in item.items():
+            content = operation.get("requestBody", {}).get("content", {}).get("application/json", {})
+            for name, example in content.get("examples", {}).items():
+                _validator(document, content["schema"]).validate(example["value"])
+                url = path.replace("{session_id}", demo.create_session("echo"))
+                response = demo.http.request(method.upper(), url, json=example["value"])
+                assert response.status_code in (200, 201), (path, name, response.text)
+                sent += 1
+    assert sent >= 4
+
+
+def test_responses_match_the_documented_shapes(document, demo):
+    session = demo.create_session("echo", agent={"options": {"apiKey": "sk-doc"}})
+    checks = [
+        ("/v1/meta", "get", demo.get("/v1/meta")),
+        ("/v1/sessions", "get", demo.get("/v1/sessions")),
+        ("/v1/sessions/{session_id}", "get", demo.get(f"/v1/sessions/{session}")),
+        ("/v1/sessions/{session_id}/turns", "post", demo.post(f"/v1/sessions/{session}/turns",
+                                                              {"messages": [{"role": "user", "content": "/think hi"}]})),
+        ("/v1/sessions/{session_id}/history", "get", demo.get(f"/v1/sessions/{session}/history", params={"type": "full"})),
+        ("/v1/sessions", "post", demo.post("/v1/sessions", {"agent": {"name": "nope"}})),
+    ]
+    for path, method, response in checks:
+        answer = _operation(document, path, method)["responses"][str(response.status_code)]
+        _validator(document, answer["content"]["application/json"]["schema"]).validate(response.json())
+
+
+def _docs_in_browser(url: str) -> list[str]:
+    """Open /v1/docs in headless Chromium; the Content-Security-Policy violations it logged."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.conftest import CHROMIUM, CHROMIUM_ARGS
+
+    violations: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: violations.append(m.text) if "Content Security Policy" in m.text else None)
+            page.goto(url)
+            page.wait_for_selector("text=AAP v3 hosting API", timeout=30_000)
+            page.get_by_text("/v1/sessions/{session_id}/turns", exact=True).first.wait_for(timeout=30_000)
+        finally:
+            browser.close()
+    return violations
+
+
+def test_the_docs_page_renders_under_its_content_security_policy(pg_stack):
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.conftest import CHROMIUM
+
+    if not os.path.exists(CHROMIUM) and os.environ.get("AAP_REQUIRE_BROWSER") != "1":
+        pytest.skip(f"Chromium is not installed at {CHROMIUM}")
+    # Playwright's sync API runs an event loop in its thread; Django refuses database work in a
+    # thread with a running loop, so the browser gets a thread of its own.
+    with ThreadPoolExecutor(1) as pool:
+        violations = pool.submit(_docs_in_browser, pg_stack.base_url + "/v1/docs").result(timeout=120)
+    assert violations == []

@@ -7,7 +7,8 @@
                            once results are in: "tool NAME returned: CONTENT" per call
     /error /refuse /max -> raise / stop refusal / "echo: truncated" + max_tokens
     /slow N MS          -> "tick 1 ", "tick 2 ", ... MS milliseconds apart
-    /whoami             -> style, signature and the first 8 hex of sha256(apiKey)
+    /whoami             -> style, signature, and for apiKey: the first 8 hex of sha256 of a key
+                           the session set (proof it arrived), "default" for the operator's
 """
 
 from __future__ import annotations
@@ -98,7 +99,11 @@ class EchoRuntime(Runtime):
             return "end_turn"
         if command == "/whoami":
             key = ctx.options.get("apiKey", "")
-            digest = hashlib.sha256(key.encode()).hexdigest()[:8] if key else "unset"
+            if "apiKey" not in ctx.options_set:
+                # Nothing derived from the operator's secret reaches a tenant.
+                digest = "default" if key else "unset"
+            else:
+                digest = hashlib.sha256(key.encode()).hexdigest()[:8] if key else "unset"
             await self._say(
                 ctx, f"style={ctx.options.get('style', '')} signature={ctx.options.get('signature', '')} apiKey={digest}"
             )

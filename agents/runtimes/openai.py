@@ -22,12 +22,14 @@ import json
 import re
 from dataclasses import dataclass, field
 
+import httpx
 import openai
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from aap.messages import content_images, content_text, fold, image_kind
 from hosting import tracing
 
+from ..netguard import AddressRefused, GuardedTransport, NonPublicAddress, checked_address
 from .base import AgentError, Compaction, Runtime, StopReason, ToolCall, TurnContext, new_tool_call_id
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
@@ -72,6 +74,8 @@ def safe_error(exc: BaseException, timeout: float) -> str:
     if isinstance(exc, openai.APITimeoutError):
         return f"The model provider did not answer within {timeout:g} seconds (timeout)."
     if isinstance(exc, openai.APIConnectionError):
+        if isinstance(exc.__cause__, AddressRefused):  # a redirect or a changed DNS answer, refused by the guard
+            return "The model provider's address is not a public one; an application may only choose public endpoints."
         return "Could not connect to the model provider (connection error); check the base URL."
     if isinstance(exc, openai.APIStatusError):
         status = exc.status_code
@@ -167,22 +171,35 @@ class OpenAIRuntime(Runtime):
             "maxModelCalls": {"type": "integer", "minimum": 1, "maximum": 100},
             "summaryPrompt": {"type": "string"},
             "extraBody": {"type": "object", "description": "Extra JSON fields sent with every model call."},
+            "allowedBaseUrls": {
+                "type": "array", "items": {"type": "string"},
+                "description": "Base URLs an application may choose beyond public addresses (e.g. a model "
+                               "server on the private network); any other it chooses must be public.",
+            },
         },
         "additionalProperties": False,
     }
 
     def __init__(self):
         self._http: tuple[asyncio.AbstractEventLoop, object] | None = None
+        self._guarded_http: tuple[asyncio.AbstractEventLoop, object] | None = None
 
     # --- setup ----------------------------------------------------------------------------------
 
-    def _client(self, *, api_key: str, base_url: str, timeout: float, retries: int) -> openai.AsyncOpenAI:
+    def _client(self, *, api_key: str, base_url: str, timeout: float, retries: int, guarded: bool = False) -> openai.AsyncOpenAI:
         # One connection pool per process and loop; the per-turn SDK client is a cheap view on it.
         loop = asyncio.get_running_loop()
-        if self._http is None or self._http[0] is not loop:
-            self._http = (loop, openai.DefaultAsyncHttpxClient())
+        if guarded:
+            # Endpoints an application chose: every request (redirects too) checked and pinned.
+            if self._guarded_http is None or self._guarded_http[0] is not loop:
+                self._guarded_http = (loop, openai.DefaultAsyncHttpxClient(transport=GuardedTransport()))
+            http_client = self._guarded_http[1]
+        else:
+            if self._http is None or self._http[0] is not loop:
+                self._http = (loop, openai.DefaultAsyncHttpxClient())
+            http_client = self._http[1]
         return openai.AsyncOpenAI(
-            api_key=api_key, base_url=base_url, timeout=timeout, max_retries=retries, http_client=self._http[1]
+            api_key=api_key, base_url=base_url, timeout=timeout, max_retries=retries, http_client=http_client
         )
 
     def _start(self, ctx: TurnContext) -> _Turn:
@@ -208,6 +225,7 @@ class OpenAIRuntime(Runtime):
             base_url=base_url,
             timeout=timeout,
             retries=int(config.get("maxRetries", DEFAULTS["maxRetries"])),
+            guarded=_application_chosen(ctx, base_url),
         )
         return _Turn(
             ctx=ctx, client=client, model=model, timeout=timeout,
@@ -218,6 +236,8 @@ class OpenAIRuntime(Runtime):
 
     async def run(self, ctx: TurnContext) -> StopReason:
         turn = self._start(ctx)
+        if _application_chosen(ctx, str(turn.client.base_url)):
+            await _check_endpoint(turn.client.base_url)
         try:
             return await self._loop(turn)
         except asyncio.CancelledError:
@@ -499,6 +519,33 @@ class OpenAIRuntime(Runtime):
 
 
 # --- helpers -----------------------------------------------------------------------------------
+
+
+def _application_chosen(ctx: TurnContext, base_url: str) -> bool:
+    """The application set this base URL (not the operator) and the operator did not allow it:
+    it goes through the network guard."""
+    if "baseUrl" not in ctx.options_set:
+        return False
+    url = base_url.rstrip("/")
+    for allowed in ctx.config.get("allowedBaseUrls") or []:
+        allowed = str(allowed).rstrip("/")
+        if allowed and (url == allowed or url.startswith(allowed + "/")):
+            return False
+    return True
+
+
+async def _check_endpoint(base_url) -> None:
+    """Refuse, before any call, a chosen base URL whose host is not public (no retries, a clear sentence)."""
+    url = httpx.URL(str(base_url))
+    try:
+        await checked_address(url.host, url.port or (443 if url.scheme == "https" else 80))
+    except NonPublicAddress as exc:
+        raise AgentError(
+            f"The base URL's host {exc.host} is {exc.reason}, not a public address; an application may only "
+            "choose public endpoints (the operator can allow others in the agent's allowedBaseUrls)."
+        ) from None
+    except AddressRefused as exc:
+        raise AgentError(str(exc)) from None
 
 
 async def _chat_completion(client: openai.AsyncOpenAI, body: dict, *, stream: bool):

@@ -3,26 +3,25 @@
 Settings (ServerTool.settings, all optional):
     allowPrivateAddresses  false: refuse hosts that resolve to loopback, private, link-local
                            or other non-public addresses (also after each redirect)
-    maxBytes               stop reading the body after this many bytes (1 000 000)
+    maxBytes               stop reading the body after this many bytes, decoded (1 000 000)
     maxChars               cut the returned text after this many characters (20 000)
     timeoutSeconds         the whole fetch, redirects included (10)
     maxRedirects           (5)
 
-The connection goes to the address that was checked (the host name is only sent as
-`Host` and TLS server name), so a DNS answer that changes between check and connect
-cannot reach a refused address. Environment proxies are not used for the same reason.
+Destinations go through agents.netguard (resolved, checked, pinned to the checked
+address). A compressed body is decoded one layer at most, and never past maxBytes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import re
-import socket
+import zlib
 from html.parser import HTMLParser
 
 import httpx
 
+from ..netguard import AddressRefused, GuardedTransport, NonPublicAddress
 from . import HostTool, ToolInputError, register
 
 DEFAULT_SETTINGS = {
@@ -78,27 +77,6 @@ def readable_text(body: str, content_type: str) -> str:
     return body.strip()
 
 
-def is_public(address: str) -> bool:
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_global and not ip.is_multicast
-
-
-async def _addresses(host: str, port: int) -> list[str]:
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):
-        raise ToolInputError(f"The host {host} could not be resolved.") from None
-    seen: list[str] = []
-    for info in infos:
-        if info[4][0] not in seen:
-            seen.append(info[4][0])
-    if not seen:
-        raise ToolInputError(f"The host {host} could not be resolved.")
-    return seen
-
-
 def _settings(settings: dict) -> dict:
     merged = {**DEFAULT_SETTINGS, **(settings or {})}
     for key in ("maxBytes", "maxChars", "timeoutSeconds", "maxRedirects"):
@@ -108,37 +86,49 @@ def _settings(settings: dict) -> dict:
     return merged
 
 
+# Encodings the tool asks for and decodes itself, one layer at most (a stack of them is how a
+# 1 KB "gzip, gzip" answer inflates to a gigabyte).
+ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+async def _read_body(response: httpx.Response, limit: int) -> tuple[bytes, bool]:
+    """At most `limit` bytes of the decoded body (and whether it was cut), never inflating more."""
+    codings = [c.strip().lower() for c in response.headers.get("content-encoding", "").split(",") if c.strip()]
+    codings = [c for c in codings if c != "identity"]
+    if len(codings) > 1 or (codings and codings[0] not in ENCODINGS):
+        raise ToolInputError(
+            f"The server answered with Content-Encoding '{', '.join(codings)}', which this tool does not decode."
+        )
+    inflater = zlib.decompressobj(ENCODINGS[codings[0]]) if codings else None
+    body = bytearray()
+    async for chunk in response.aiter_raw():
+        if inflater is not None:
+            try:
+                # max_length bounds what one chunk may inflate to; the rest is never produced.
+                chunk = inflater.decompress(chunk, limit + 1 - len(body))
+            except zlib.error:
+                raise ToolInputError("The server sent a compressed body that could not be decoded.") from None
+        body.extend(chunk)
+        if len(body) > limit:
+            return bytes(body[:limit]), True
+    return bytes(body), False
+
+
 async def _fetch(url: str, opts: dict) -> str:
-    async with httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=opts["timeoutSeconds"]) as client:
+    transport = GuardedTransport(allow_private=bool(opts["allowPrivateAddresses"]))
+    async with httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False,
+                                 timeout=opts["timeoutSeconds"]) as client:
         for _ in range(int(opts["maxRedirects"]) + 1):
             target = httpx.URL(url)
             if target.scheme not in ("http", "https") or not target.host:
                 raise ToolInputError("Only http:// and https:// URLs with a host can be fetched.")
-            port = target.port or (443 if target.scheme == "https" else 80)
-            addresses = await _addresses(target.host, port)
-            if not opts["allowPrivateAddresses"]:
-                refused = [a for a in addresses if not is_public(a)]
-                if refused:
-                    raise ToolInputError(
-                        f"Refusing to fetch {target.host}: it resolves to a loopback, private or link-local "
-                        f"address ({refused[0]}), which this tool is not allowed to reach."
-                    )
-            host_header = target.host if target.port is None else f"{target.host}:{target.port}"
-            pinned = target.copy_with(host=addresses[0])
-            extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
-            async with client.stream("GET", pinned, headers={"Host": host_header, "Accept": "text/*, */*;q=0.5"},
-                                     extensions=extensions) as response:
+            headers = {"Accept": "text/*, */*;q=0.5", "Accept-Encoding": ", ".join(("gzip", "deflate"))}
+            async with client.stream("GET", target, headers=headers) as response:
                 if response.is_redirect and "location" in response.headers:
                     url = str(target.join(response.headers["location"]))
                     continue
-                body, cut = bytearray(), False
-                async for chunk in response.aiter_bytes():
-                    body.extend(chunk)
-                    if len(body) > opts["maxBytes"]:
-                        del body[int(opts["maxBytes"]):]
-                        cut = True
-                        break
-                return _render(str(target), response, bytes(body), cut, opts)
+                body, cut = await _read_body(response, int(opts["maxBytes"]))
+                return _render(str(target), response, body, cut, opts)
     raise ToolInputError(f"Fetching {url} redirected more than {opts['maxRedirects']} times.")
 
 
@@ -170,6 +160,13 @@ async def _http_fetch(arguments: dict, settings: dict) -> str:
     try:
         async with asyncio.timeout(opts["timeoutSeconds"]):
             return await _fetch(url, opts)
+    except NonPublicAddress as exc:
+        raise ToolInputError(
+            f"Refusing to fetch {exc.host}: it resolves to {exc.reason} ({exc.address}), which this tool is not "
+            "allowed to reach (loopback, private or link-local addresses are refused)."
+        ) from None
+    except AddressRefused as exc:
+        raise ToolInputError(str(exc)) from None
     except (TimeoutError, httpx.TimeoutException):
         raise ToolInputError(f"Fetching {url} took longer than {opts['timeoutSeconds']:g} seconds.") from None
     except httpx.HTTPError as exc:

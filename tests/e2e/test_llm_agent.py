@@ -45,11 +45,24 @@ def llm_agent(name: str, url: str, *, config: dict | None = None, images: bool =
     }
 
 
+# A second provider and a closed port an application may choose as its base URL: both are
+# on 127.0.0.1, which the network guard refuses unless the operator allows them.
+ELSEWHERE = FakeOpenAI()
+CLOSED_URL = f"http://127.0.0.1:{free_port()}/v1"
+
+
 @pytest.fixture(scope="module")
-def fake(pg_stack, tmp_path_factory):
+def elsewhere():
+    ELSEWHERE.start()
+    yield ELSEWHERE
+    ELSEWHERE.stop()
+
+
+@pytest.fixture(scope="module")
+def fake(pg_stack, tmp_path_factory, elsewhere):
     server = FakeOpenAI().start()
     agents = [
-        llm_agent("llm-main", server.url, config={"maxModelCalls": 3}),
+        llm_agent("llm-main", server.url, config={"maxModelCalls": 3, "allowedBaseUrls": [elsewhere.url, CLOSED_URL]}),
         llm_agent("llm-vision", server.url, images=True),
         llm_agent("llm-impatient", server.url, config={"timeoutSeconds": 1, "maxRetries": 0}),
         llm_agent("llm-compact", server.url, config={"contextBudget": 400}),
@@ -442,25 +455,21 @@ def test_a_stalled_stream_times_out_with_error(fake, demo):
 
 
 def test_an_unreachable_provider_gives_a_connection_error(fake, demo):
-    closed = f"http://127.0.0.1:{free_port()}/v1"
-    session = new_session(demo, "llm-main", options={"baseUrl": closed, "apiKey": "sk-own"})
+    session = new_session(demo, "llm-main", options={"baseUrl": CLOSED_URL, "apiKey": "sk-own"})
     result = demo.turn(session, text="Hello")
     assert result.stop_reason == "error"
     assert result.body["_meta"]["error"] == "Could not connect to the model provider (connection error); check the base URL."
 
 
-def test_the_operator_key_never_goes_to_a_base_url_the_application_chose(fake, demo):
-    elsewhere = FakeOpenAI().start()
-    try:
-        session = new_session(demo, "llm-main", options={"baseUrl": elsewhere.url})
-        assert demo.turn(session, text="Hello").stop_reason == "end_turn"
-        assert elsewhere.chat_requests()[0]["headers"]["authorization"] == "Bearer unused"
-        assert OPERATOR_KEY not in json.dumps(elsewhere.requests)
+def test_the_operator_key_never_goes_to_a_base_url_the_application_chose(fake, demo, elsewhere):
+    elsewhere.clear()
+    session = new_session(demo, "llm-main", options={"baseUrl": elsewhere.url})
+    assert demo.turn(session, text="Hello").stop_reason == "end_turn"
+    assert elsewhere.chat_requests()[0]["headers"]["authorization"] == "Bearer unused"
+    assert OPERATOR_KEY not in json.dumps(elsewhere.requests)
 
-        demo.turn(session, text="Again", agent={"options": {"apiKey": "sk-tenant-own"}})
-        assert elsewhere.chat_requests()[1]["headers"]["authorization"] == "Bearer sk-tenant-own"
-    finally:
-        elsewhere.stop()
+    demo.turn(session, text="Again", agent={"options": {"apiKey": "sk-tenant-own"}})
+    assert elsewhere.chat_requests()[1]["headers"]["authorization"] == "Bearer sk-tenant-own"
     assert fake.chat_requests() == []
 
 

@@ -1,0 +1,147 @@
+"""Limits Daphne enforces while a request arrives, before any application code runs.
+
+Twisted buffers a whole request body before Daphne hands it to the application, so a limit
+checked in Django comes too late: a 1 GiB upload has already been read (and a declared
+length that never arrives holds the connection). Here, at the HTTP channel:
+
+- a declared `Content-Length` over `AAP_MAX_BODY_BYTES` is answered 413 at once; a chunked
+  body is counted as it arrives and answered 413 as soon as it passes the limit;
+- the request line and headers must arrive within `AAP_REQUEST_HEADERS_TIMEOUT_SECONDS` and
+  the body within `AAP_REQUEST_BODY_TIMEOUT_SECONDS` of the headers (408 otherwise), so a
+  slow client (slowloris) cannot hold a connection by trickling bytes;
+- malformed HTTP that Twisted or Daphne refuse themselves (oversized headers, a bad
+  `Content-Length` or chunk size, an invalid header name) gets the API's JSON 400 instead
+  of a bare status line or an HTML page.
+
+Each refusal closes the connection: the response is written, the sending side is shut, the
+rest of the upload is discarded for a moment (so the client can read the answer instead of
+a reset) and the connection is then dropped.
+"""
+
+from __future__ import annotations
+
+import json
+
+from django.conf import settings
+
+# Seconds a refused connection keeps discarding what the client still sends before it is dropped.
+LINGER_SECONDS = 2.0
+
+REASONS = {400: b"Bad Request", 408: b"Request Timeout", 413: b"Content Too Large"}
+
+
+def _response(status: int, message: str) -> bytes:
+    body = json.dumps({"error": message}).encode()
+    head = (
+        b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+        % (status, REASONS[status], len(body))
+    )
+    return head + body
+
+
+def too_large_message() -> str:
+    return f"The request body is larger than the limit of {settings.AAP_MAX_BODY_BYTES} bytes."
+
+
+def refuse(channel, status: int, message: str) -> None:
+    """Answer `status` on the channel and close it (once), discarding further input."""
+    if getattr(channel, "_aap_refused", False) or channel.transport is None:
+        return
+    channel._aap_refused = True
+    _cancel_deadline(channel)
+    channel.setTimeout(None)
+    # Nothing more is parsed or handed to the application from this connection.
+    channel.dataReceived = channel.rawDataReceived = channel.lineReceived = lambda *args: None
+    transport = channel.transport
+    transport.write(_response(status, message))
+    if hasattr(transport, "loseWriteConnection"):
+        transport.loseWriteConnection()
+        channel.callLater(LINGER_SECONDS, transport.abortConnection)
+    else:
+        transport.loseConnection()
+
+
+def _cancel_deadline(channel) -> None:
+    call = getattr(channel, "_aap_deadline", None)
+    if call is not None and call.active():
+        call.cancel()
+    channel._aap_deadline = None
+
+
+def _start_deadline(channel, seconds: float, message: str) -> None:
+    _cancel_deadline(channel)
+    channel._aap_deadline = channel.callLater(seconds, refuse, channel, 408, message)
+
+
+def install() -> None:
+    """Patch Twisted's HTTP channel and Daphne's request (idempotent): the server layer's limits."""
+    from daphne.http_protocol import WebRequest
+    from twisted.web.http import HTTPChannel
+
+    if getattr(HTTPChannel, "_aap_limits", False):
+        return
+    HTTPChannel._aap_limits = True
+
+    data_received = HTTPChannel.dataReceived
+    all_headers_received = HTTPChannel.allHeadersReceived
+    all_content_received = HTTPChannel.allContentReceived
+    connection_lost = HTTPChannel.connectionLost
+
+    def dataReceived(self, data):
+        # The first byte of a request starts its clock; a request being answered has none.
+        if not self._handlingRequest and getattr(self, "_aap_deadline", None) is None:
+            _start_deadline(
+                self, settings.AAP_REQUEST_HEADERS_TIMEOUT_SECONDS,
+                f"The request line and headers did not arrive within {settings.AAP_REQUEST_HEADERS_TIMEOUT_SECONDS:g} seconds.",
+            )
+        return data_received(self, data)
+
+    def allHeadersReceived(self):
+        if self.length is not None and self.length > settings.AAP_MAX_BODY_BYTES:
+            return refuse(self, 413, too_large_message())
+        _start_deadline(
+            self, settings.AAP_REQUEST_BODY_TIMEOUT_SECONDS,
+            f"The request body did not arrive within {settings.AAP_REQUEST_BODY_TIMEOUT_SECONDS:g} seconds.",
+        )
+        return all_headers_received(self)
+
+    def allContentReceived(self):
+        _cancel_deadline(self)
+        return all_content_received(self)
+
+    def connectionLost(self, reason):
+        _cancel_deadline(self)
+        return connection_lost(self, reason)
+
+    def _respondToBadRequestAndDisconnect(self):
+        refuse(self, 400, "The request is not valid HTTP (malformed line, oversized headers, or a bad "
+                          "Content-Length or chunk size).")
+
+    def lineLengthExceeded(self, line):
+        refuse(self, 400, "The request line or a header is longer than the server accepts.")
+
+    HTTPChannel.lineLengthExceeded = lineLengthExceeded
+    HTTPChannel.dataReceived = dataReceived
+    HTTPChannel.allHeadersReceived = allHeadersReceived
+    HTTPChannel.allContentReceived = allContentReceived
+    HTTPChannel.connectionLost = connectionLost
+    HTTPChannel._respondToBadRequestAndDisconnect = _respondToBadRequestAndDisconnect
+
+    handle_content_chunk = WebRequest.handleContentChunk
+
+    def handleContentChunk(self, data):
+        self._aap_received = getattr(self, "_aap_received", 0) + len(data)
+        if self._aap_received > settings.AAP_MAX_BODY_BYTES:
+            return refuse(self.channel, 413, too_large_message())
+        return handle_content_chunk(self, data)
+
+    def basic_error(self, status, status_text, body):
+        # Daphne's own refusals (invalid header names, bad paths): JSON like every API error.
+        self.handle_reply(
+            {"type": "http.response.start", "status": status, "headers": [(b"Content-Type", b"application/json")]}
+        )
+        sentence = f"{body}." if status < 500 else "The server could not handle this request; try again."
+        self.handle_reply({"type": "http.response.body", "body": json.dumps({"error": sentence}).encode()})
+
+    WebRequest.handleContentChunk = handleContentChunk
+    WebRequest.basic_error = basic_error
