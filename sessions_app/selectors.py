@@ -116,7 +116,10 @@ def usage_query(params) -> dict:
     if group_by not in USAGE_GROUPS:
         raise BadRequest(f"groupBy must be one of: {', '.join(USAGE_GROUPS)} (got {group_by[:40]!r}).")
     end = _usage_time("to", params["to"]) if params.get("to") else timezone.now()
-    start = _usage_time("from", params["from"]) if params.get("from") else end - timedelta(days=30)
+    try:
+        start = _usage_time("from", params["from"]) if params.get("from") else end - timedelta(days=30)
+    except OverflowError:
+        raise BadRequest("'to' is too early; give a date after 0001-01-31.") from None
     if start >= end:
         raise BadRequest("'from' must be before 'to' (which is exclusive).")
     if end - start > timedelta(days=USAGE_MAX_DAYS):

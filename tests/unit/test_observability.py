@@ -112,3 +112,10 @@ def test_only_turn_tasks_carry_an_enqueue_time():
     metrics._stamp_enqueue(sender="sessions_app.tasks.sweep_stale_turns", headers=sweep)
     metrics._stamp_enqueue(sender=metrics.RUN_TURN, headers=turn)
     assert sweep == {} and isinstance(turn[metrics._ENQUEUED_AT], float)
+
+
+def test_a_usage_window_at_the_edge_of_the_calendar_is_a_400_not_a_crash():
+    with pytest.raises(BadRequest):
+        usage_query({"to": "0001-01-02"})
+    query = usage_query({"from": "9999-12-01", "to": "9999-12-31"})
+    assert query["end"] - query["start"] == timedelta(days=30)
