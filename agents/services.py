@@ -180,6 +180,13 @@ def agents_apply(entries: list[dict], *, prune: bool = False) -> dict:
 
 
 def load_agents_file(path: str) -> list[dict]:
+    data = _load(path)
+    if isinstance(data, dict) and "agents" in data:
+        data = data["agents"]
+    return data
+
+
+def _load(path: str):
     import json
 
     import yaml
@@ -187,12 +194,84 @@ def load_agents_file(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as handle:
         text = handle.read()
     try:
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        return json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
         raise AgentFileError(f"{path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from None
-    if isinstance(data, dict) and "agents" in data:
-        data = data["agents"]
-    return data
+
+
+# --- the `tenants:` section: tenants and their limits ------------------------------------------
+
+# The file's names for hosting.models.LIMIT_FIELDS (null: the service's default; 0: no limit).
+TENANT_LIMIT_KEYS = {
+    "maxRunningTurns": "max_running_turns",
+    "maxQueuedTurns": "max_queued_turns",
+    "turnsPerMinute": "turns_per_minute",
+    "maxSessions": "max_sessions",
+    "tokensPerDay": "tokens_per_day",
+}
+
+
+def _apply_tenant(entry: dict) -> tuple[Tenant, bool]:
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise AgentFileError("Every tenant entry must be an object with a 'name'.")
+    name = entry["name"]
+    unknown = sorted(set(entry) - {"name", "title", "active", "limits"})
+    if unknown:
+        raise AgentFileError(f"Tenant '{name}': unknown keys {', '.join(unknown)}; use name, title, active, limits.")
+    limits = entry.get("limits") or {}
+    if not isinstance(limits, dict):
+        raise AgentFileError(f"Tenant '{name}': 'limits' must be an object.")
+    unknown = sorted(set(limits) - set(TENANT_LIMIT_KEYS))
+    if unknown:
+        raise AgentFileError(
+            f"Tenant '{name}': unknown limits {', '.join(unknown)}; the limits are {', '.join(TENANT_LIMIT_KEYS)}."
+        )
+    tenant = Tenant.objects.filter(name=name).first()
+    created = tenant is None
+    tenant = tenant or Tenant(name=name)
+    if "title" in entry:
+        tenant.title = entry["title"] or ""
+    if "active" in entry:
+        tenant.is_active = bool(entry["active"])
+    for key, value in limits.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise AgentFileError(
+                f"Tenant '{name}': limit '{key}' must be a whole number (0 for no limit) or null for the default."
+            )
+        setattr(tenant, TENANT_LIMIT_KEYS[key], value)
+    try:
+        tenant.full_clean()
+    except ValidationError as exc:
+        raise AgentFileError(f"Tenant '{name}': " + "; ".join(exc.messages)) from None
+    tenant.save()
+    return tenant, created
+
+
+@transaction.atomic
+def registry_apply(data, *, prune: bool = False) -> dict:
+    """Apply a whole file, all or nothing: its `tenants:` (created or updated with their
+    limits; never removed here) first, then its agents (see agents_apply)."""
+    tenants = (data.get("tenants") or []) if isinstance(data, dict) else []
+    agents = (data.get("agents") or []) if isinstance(data, dict) else data
+    if isinstance(data, dict) and not {"tenants", "agents"} & set(data):
+        raise AgentFileError("The file must hold a list of agents, or {tenants: [...], agents: [...]}.")
+    if not isinstance(tenants, list):
+        raise AgentFileError("'tenants' must be a list of tenants.")
+    report: dict = {}
+    if tenants:
+        report["tenants"] = {"created": [], "updated": []}
+    for entry in tenants:
+        tenant, created = _apply_tenant(entry)
+        report["tenants"]["created" if created else "updated"].append(tenant.name)
+    if isinstance(data, dict) and "agents" not in data and not prune:
+        return report  # a file of tenants only leaves the agents alone
+    report.update(agents_apply(agents, prune=prune))
+    return report
+
+
+def load_registry_file(path: str):
+    """A file's content for registry_apply: a list of agents, or {tenants?, agents?}."""
+    return _load(path)
 
 
 ECHO_AGENT = {

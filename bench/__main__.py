@@ -25,12 +25,13 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
+from .fairness import fair_share
 from .profiles import FULL, QUICK, SMOKE
 from .report import Row, machine, markdown_table, service_versions, table, write_results
 from .scenarios import Bench
 from .stack import ROOT, BenchStack, raise_fd_limit
 
-ORDER = ["1", "2", "3", "4", "6", "7", "5"]  # 5 last: it replaces the Celery workers
+ORDER = ["1", "2", "3", "4", "6", "7", "8", "5"]  # 5 last: it replaces the Celery workers
 QUICK_BUDGET_SECONDS = 170.0
 
 
@@ -56,6 +57,7 @@ async def run(bench: Bench, only: list[str], started: float, budget: float) -> b
         "4": ("relay latency", bench.relay),
         "6": ("history growth", bench.history_growth),
         "7": ("openai runtime overhead", bench.llm),
+        "8": ("fair share between tenants", lambda: fair_share(bench)),
         "5": ("open streams", None),
     }
     try:

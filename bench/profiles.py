@@ -42,6 +42,8 @@ class Profile:
     llm_turns: int = 5
     llm_tokens: int = 200
     llm_delay_ms: float = 5.0
+    # 8: fair share between tenants (each half: B alone, then B beside a saturating A)
+    fair_seconds: float = 5.0
 
 
 QUICK = Profile("quick")
@@ -61,6 +63,7 @@ FULL = replace(
     stream_budget=600.0,
     history_turns=30,
     llm_turns=20,
+    fair_seconds=15.0,
 )
 
 SMOKE = replace(
@@ -84,6 +87,7 @@ SMOKE = replace(
     history_lengths=(10, 100, 1000),
     history_turns=2,
     llm_turns=2,
+    fair_seconds=1.0,
 )
 
 PROFILES = {p.name: p for p in (QUICK, FULL, SMOKE)}

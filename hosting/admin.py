@@ -2,7 +2,7 @@ from django.contrib import admin, messages
 from django.db.models import Sum
 from django.utils import timezone
 
-from .models import ApiToken, Tenant
+from .models import LIMIT_FIELDS, ApiToken, Tenant
 from .services import token_create
 
 
@@ -22,6 +22,14 @@ class TenantAdmin(admin.ModelAdmin):
     list_display = ("name", "title", "is_active", "created_at", "prompt_tokens", "completion_tokens")
     search_fields = ("name", "title")
     inlines = [ApiTokenInline]
+    fieldsets = [
+        (None, {"fields": ("name", "title", "is_active")}),
+        ("Limits", {
+            "fields": LIMIT_FIELDS,
+            "description": "Empty: the service's default (AAP_TENANT_* settings). 0: no limit. "
+            "Over a limit the API answers 429 with Retry-After; nothing is stored.",
+        }),
+    ]
 
     def get_queryset(self, request):
         return super().get_queryset(request).annotate(

@@ -9,7 +9,11 @@ from django.db import connection
 from django.utils import timezone
 from rest_framework import authentication, exceptions, permissions
 
-from .models import ApiToken, Tenant, hash_token
+from . import limits
+from .models import LIMIT_FIELDS, ApiToken, Tenant, hash_token
+
+# The tenant's limits come with its token (one statement), so admission reads no more rows.
+_LIMIT_COLUMNS = ", ".join(f"t.{field}" for field in LIMIT_FIELDS)
 
 # last_used_at is a hint for operators, so write it at most once a minute per token.
 LAST_USED_RESOLUTION = timedelta(seconds=60)
@@ -43,7 +47,7 @@ def _active_token(where: str, value) -> ApiToken | None:
     now = timezone.now()
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT k.id, k.tenant_id, k.last_used_at, t.name, t.title FROM {ApiToken._meta.db_table} k "
+            f"SELECT k.id, k.tenant_id, k.last_used_at, t.name, t.title, {_LIMIT_COLUMNS} FROM {ApiToken._meta.db_table} k "
             f"JOIN {Tenant._meta.db_table} t ON t.id = k.tenant_id "
             f"WHERE {where} AND k.revoked_at IS NULL AND t.is_active "
             "AND (k.expires_at IS NULL OR k.expires_at > %s)",
@@ -52,12 +56,12 @@ def _active_token(where: str, value) -> ApiToken | None:
         row = cursor.fetchone()
     if row is None:
         return None
-    token_id, tenant_id, last_used, name, title = row
+    token_id, tenant_id, last_used, name, title, *limits = row
     if last_used is not None and timezone.is_naive(last_used):
         last_used = timezone.make_aware(last_used, dt_timezone.utc)  # SQLite stores UTC, naive
     # Instances of the columns read; any other field loads on access (deferred).
     token = ApiToken.from_db("default", ["id", "tenant_id", "last_used_at"], [token_id, tenant_id, last_used])
-    token.tenant = Tenant.from_db("default", ["id", "name", "title"], [tenant_id, name, title])
+    token.tenant = Tenant.from_db("default", ["id", "name", "title", *LIMIT_FIELDS], [tenant_id, name, title, *limits])
     if last_used is None or now - last_used > LAST_USED_RESOLUTION:
         ApiToken.objects.filter(pk=token_id).update(last_used_at=now)
     return token
@@ -95,11 +99,16 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
             raw = parts[1].decode()
         except UnicodeDecodeError:
             raise exceptions.AuthenticationFailed("The API token is not valid text.") from None
+        # An address that keeps sending bad tokens is refused before any database query.
+        address = limits.client_address(request)
+        limits.check_auth_failures(address)
         token = tenant_for_raw_token(raw)
         if token is None:
+            limits.record_auth_failure(address)
             raise exceptions.AuthenticationFailed(
                 "The API token is unknown, expired or revoked; ask the operator for a new one."
             )
+        token.tenant._aap_rate_state = limits.turns_rate_state(token.tenant)
         return TenantUser(token), token
 
     def authenticate_header(self, request):

@@ -96,7 +96,7 @@ def exception_handler(exc, context):
         exc = PayloadTooLarge()
 
     if isinstance(exc, ApiError):
-        return Response(error_body(str(exc.detail), exc.details), status=exc.status_code)
+        return Response(error_body(str(exc.detail), exc.details), status=exc.status_code, headers=getattr(exc, "headers", None))
     if isinstance(exc, exceptions.ValidationError):
         return Response(error_body(validation_sentence(exc.detail), exc.detail), status=400)
     if isinstance(exc, exceptions.ParseError):

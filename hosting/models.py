@@ -21,12 +21,33 @@ class Tenant(models.Model):
     title = models.CharField(max_length=200, blank=True)
     is_active = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # Limits (sessions_app.admission): empty means the settings' default, 0 means no limit.
+    max_running_turns = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Turns running at once (empty: AAP_TENANT_MAX_RUNNING_TURNS; 0: no limit)."
+    )
+    max_queued_turns = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Turns waiting for a worker beyond the running ones (empty: AAP_TENANT_MAX_QUEUED_TURNS).",
+    )
+    turns_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Turns started per minute (empty: AAP_TENANT_TURNS_PER_MINUTE; 0: no limit)."
+    )
+    max_sessions = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Sessions kept at once (empty: AAP_TENANT_MAX_SESSIONS; 0: no limit)."
+    )
+    tokens_per_day = models.PositiveBigIntegerField(
+        null=True, blank=True,
+        help_text="LLM tokens (prompt + completion) per UTC day (empty: AAP_TENANT_TOKENS_PER_DAY; 0: no limit).",
+    )
 
     class Meta:
         ordering = ["name"]
 
     def __str__(self) -> str:
         return self.name
+
+
+LIMIT_FIELDS = ("max_running_turns", "max_queued_turns", "turns_per_minute", "max_sessions", "tokens_per_day")
 
 
 class ApiTokenQuerySet(models.QuerySet):

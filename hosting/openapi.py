@@ -52,6 +52,11 @@ COMMON_ERRORS = {
     "400": _error("Bad input (the sentence names it), or a Host this server does not answer to."),
     "406": _error("The Accept header excludes JSON."),
     "503": _error("A dependency is briefly unavailable; nothing was stored.", **{"Retry-After": "Seconds to wait."}),
+    "429": _error(
+        "A tenant limit (details.limit names it), or too many unknown tokens from this address; nothing was stored.",
+        **{"Retry-After": "Seconds to wait.", "RateLimit-Policy": 'The turns-per-minute policy, e.g. "turns";q=600;w=60.',
+           "RateLimit": 'What remains of it and when it resets, e.g. "turns";r=597;t=42.'},
+    ),
 }
 BODY_ERRORS = {
     "413": _error("The body is over the configured limit (AAP_MAX_BODY_BYTES)."),

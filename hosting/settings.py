@@ -105,6 +105,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "channels",
+    "axes",
     "hosting",
     "agents",
     "sessions_app",
@@ -122,7 +123,16 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "axes.middleware.AxesMiddleware",  # admin login lockout (last, as django-axes requires)
 ]
+
+# Admin login: django-axes locks a username + address out after repeated wrong passwords.
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = env_float("AXES_COOLOFF_HOURS", 0.25)
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_VERBOSE = False
 
 # The AAP API's chain (hosting.handlers.ApiHandler): async-native, no sessions or CSRF
 # (the API authenticates with bearer tokens); the admin keeps MIDDLEWARE.
@@ -133,6 +143,7 @@ AAP_API_MIDDLEWARE = [
     "hosting.errors.BodyLimitMiddleware",
     "corsheaders.middleware.CorsMiddleware",
     "hosting.handlers.AsyncXFrameOptionsMiddleware",
+    "hosting.limits.RateLimitHeadersMiddleware",
 ]
 
 ROOT_URLCONF = "hosting.urls"
@@ -233,6 +244,22 @@ AAP_TURN_START_TIMEOUT_SECONDS = env_float("AAP_TURN_START_TIMEOUT_SECONDS", 20.
 AAP_EMBEDDED_WORKERS = env_int("AAP_EMBEDDED_WORKERS", 8)
 # Root of per-session workspaces (ACP agents).
 AAP_WORKSPACE_ROOT = Path(os.environ.get("AAP_WORKSPACE_ROOT", VAR_DIR / "workspaces"))
+
+# Per-tenant limits (sessions_app.admission): defaults for tenants that set none; 0 = no limit.
+AAP_TENANT_MAX_RUNNING_TURNS = env_int("AAP_TENANT_MAX_RUNNING_TURNS", 16)
+AAP_TENANT_MAX_QUEUED_TURNS = env_int("AAP_TENANT_MAX_QUEUED_TURNS", 64)
+AAP_TENANT_TURNS_PER_MINUTE = env_int("AAP_TENANT_TURNS_PER_MINUTE", 600)
+AAP_TENANT_MAX_SESSIONS = env_int("AAP_TENANT_MAX_SESSIONS", 0)
+AAP_TENANT_TOKENS_PER_DAY = env_int("AAP_TENANT_TOKENS_PER_DAY", 0)
+# Retry-After of a 429 for running/queued turns or sessions (when a place frees is unknown).
+AAP_LIMITS_RETRY_SECONDS = env_int("AAP_LIMITS_RETRY_SECONDS", 2)
+# Failed bearer tokens per client address and minute before 429s (no database query then).
+AAP_AUTH_FAILURES_PER_MINUTE = env_int("AAP_AUTH_FAILURES_PER_MINUTE", 30)
+# Per-turn output bounds (sessions_app.turn_output): stream entries and text bytes.
+AAP_TURN_MAX_EVENTS = env_int("AAP_TURN_MAX_EVENTS", 10000)
+AAP_TURN_MAX_OUTPUT_BYTES = env_int("AAP_TURN_MAX_OUTPUT_BYTES", 4 * 1024 * 1024)
+# While a turn's events wait for Redis, tiny deltas join for up to this long into one entry.
+AAP_TURN_COALESCE_SECONDS = env_float("AAP_TURN_COALESCE_SECONDS", 0.02)
 
 # --- DRF and the OpenAPI document --------------------------------------------------------
 REST_FRAMEWORK = {

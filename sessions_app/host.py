@@ -35,6 +35,7 @@ from agents.runtimes.base import (
 
 from . import events
 from .protocol import MessageShaper, denial_text, fold
+from .turn_output import JOIN_AFTER_ENTRIES, JOINED_CHARS, DeltaRuns, OutputBudget, TurnOutputExceeded
 
 logger = logging.getLogger(__name__)
 
@@ -128,34 +129,47 @@ class _Publisher:
         self.turn_id = turn_id
         self.shaper = MessageShaper("message" if mode == "none" else mode)
         self.seq = 1
-        self.produced: list[dict] = []  # the runtime's events, before shaping (for fold)
+        self.produced = DeltaRuns()  # the runtime's events, before shaping (for fold)
+        self.budget = OutputBudget()
         self.backend = events.backend()
-        self._queue: list[tuple[int, dict]] = []
+        self._queue = DeltaRuns()
         self._flusher: asyncio.Task | None = None
 
-    def _send(self, event: dict) -> None:
+    def _send(self, event: dict, *, last: bool = False) -> None:
+        # A long turn's deltas still waiting for Redis join into one entry (turn_output).
+        if self.seq > JOIN_AFTER_ENTRIES and self._queue.join(event, JOINED_CHARS):
+            return
+        if not last:
+            self.budget.add_entry()
         self.seq += 1
-        self._queue.append((self.seq, event))
+        self._queue.append(self.seq, event)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
 
     async def _flush(self) -> None:
         while self._queue:
-            batch, self._queue = self._queue, []
+            batch = self._queue.take()
             try:
                 await self.backend.publish_many(self.turn_id, batch)
             except Exception as exc:  # a live view can miss events; history cannot
                 logger.warning("publishing events of %s failed: %s", self.turn_id, type(exc).__name__)
+            if self._queue and self.seq > JOIN_AFTER_ENTRIES:
+                # The turn streams faster than Redis writes: let its tiny deltas join a while.
+                await asyncio.sleep(settings.AAP_TURN_COALESCE_SECONDS)
 
     async def emit(self, event: dict) -> None:
-        self.produced.append(event)
+        self.budget.add_output(event)
         for shaped in self.shaper.feed(event):
             self._send(shaped)
+        if not self.produced.join(event):
+            self.produced.append(0, event)
+        # Yield between events: no turn holds the shared loop (other turns, leases, cancels).
+        await asyncio.sleep(0)
 
     async def close(self) -> None:
         """Flush the last part and wait until every event is written."""
         for shaped in self.shaper.flush():
-            self._send(shaped)
+            self._send(shaped, last=True)
         while self._flusher is not None and not self._flusher.done():
             await asyncio.shield(self._flusher)
 
@@ -292,6 +306,8 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
             stop_reason = await runtime.run(ctx)
             if stop_reason not in STOP_REASONS:
                 raise AgentError(f"The agent returned an unknown stop reason {stop_reason!r}.")
+    except TurnOutputExceeded:
+        stop_reason = "max_tokens"  # the sentence goes in turn_stop's _meta.outputLimit (below)
     except asyncio.CancelledError:
         if not task.cancelling():
             raise
@@ -311,15 +327,19 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
     except Exception as exc:
         logger.warning("publishing the end of turn %s failed: %s", plan.turn_id, type(exc).__name__)
 
+    if publisher.budget.exceeded and not cancelled:
+        stop_reason, error = "max_tokens", ""  # even if the runtime caught TurnOutputExceeded
     pending = ctx.pending if stop_reason == "tool_use" else []
     meta = dict(ctx.stop_meta)
+    if publisher.budget.exceeded:
+        meta["outputLimit"] = publisher.budget.exceeded
     if cancelled:
         meta["cancelled"] = True
     if error:
         meta["error"] = error
     return TurnOutcome(
         stop_reason=stop_reason,
-        messages=fold(publisher.produced),
+        messages=fold(publisher.produced.events()),
         pending_calls=pending,
         last_seq=publisher.seq,
         compaction=ctx.compaction,

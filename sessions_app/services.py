@@ -20,7 +20,7 @@ from agents.selectors import agent_definition, server_tool_specs
 from hosting import crypto, metrics
 from hosting.errors import BadRequest, Conflict, NotFound, describe_failure
 
-from . import events, host, turn_store
+from . import admission, events, host, turn_store
 from .models import Message, Session, Turn, new_turn_id
 from .protocol import content_images, dumps, fold, image_kind, tool_uses, unstorable
 
@@ -211,6 +211,7 @@ def session_create(*, tenant, agent_config: dict, messages: list[dict] | None, t
     server_refs = _validate_server_tools(agent, agent_config["tools"]) if "tools" in agent_config else None
     _validate_client_tools(agent, tools, server_refs)
     _check_images(agent, messages or [])
+    admission.admit_session(tenant=tenant)
     session = Session.objects.create(
         tenant=tenant, agent=agent, options=options, server_tools=server_refs, client_tools=tools
     )
@@ -360,6 +361,7 @@ def turn_start(*, tenant, session_id: str, data: dict) -> Turn:
             _validate_client_tools(agent, session.client_tools, session.server_tools)
 
         tool_messages, permissions = _answers_for_pending(session.pending_calls, messages)
+        admission.admit_turn(tenant=tenant)  # 429 at a tenant limit; nothing is stored then
         turn = Turn(id=new_turn_id(), session_id=session.pk, stream=mode, permissions=permissions)
         turn_store.insert_turn(turn.id, session.pk, mode, permissions)
         incoming = tool_messages if session.pending_calls else messages

@@ -19,6 +19,11 @@ TEST_ENV = {
     "AAP_TURN_LEASE_SECONDS": "3",
     "AAP_TURN_START_TIMEOUT_SECONDS": "8",
     "LOG_LEVEL": "INFO",
+    # The suite's tenants run unlimited and every test calls from 127.0.0.1: the limits'
+    # own tests (tests/e2e/test_limits.py) give their tenants and stacks explicit limits.
+    "AAP_TENANT_MAX_RUNNING_TURNS": "0",
+    "AAP_TENANT_TURNS_PER_MINUTE": "0",
+    "AAP_AUTH_FAILURES_PER_MINUTE": "0",
 }
 
 

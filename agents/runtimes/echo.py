@@ -28,9 +28,12 @@ class EchoError(Exception):
     """Raised on purpose by /error."""
 
 
+_WORD = re.compile(r"\S+\s*|\s+")
+
+
 def words(text: str) -> list[str]:
     """Split into words that keep their following whitespace, so they join back exactly."""
-    return re.findall(r"\S+\s*|\s+", text) or ([text] if text else [])
+    return _WORD.findall(text) or ([text] if text else [])
 
 
 class EchoRuntime(Runtime):
@@ -56,8 +59,10 @@ class EchoRuntime(Runtime):
         return await self._command(ctx, text, images)
 
     async def _say(self, ctx: TurnContext, text: str, kind: str = "text") -> None:
-        for word in words(text):
-            await ctx.emit({"event": f"{kind}_delta", "delta": word})
+        for count, match in enumerate(_WORD.finditer(text), 1):  # lazily: a 1 MiB text is 500k words
+            await ctx.emit({"event": f"{kind}_delta", "delta": match.group()})
+            if count % 64 == 0:
+                await asyncio.sleep(0)  # a long message must not hold the loop other turns share
 
     def _reply(self, ctx: TurnContext, text: str, images: int = 0) -> str:
         if ctx.options.get("style") == "upper":

@@ -2,19 +2,19 @@ import json
 
 from django.core.management.base import BaseCommand, CommandError
 
-from agents.services import AgentFileError, agents_apply, load_agents_file
+from agents.services import AgentFileError, load_registry_file, registry_apply
 
 
 class Command(BaseCommand):
-    help = "Create or update agents, their options and server tools from a JSON or YAML file (idempotent)."
+    help = "Create or update tenants (their limits) and agents (options, server tools) from a JSON or YAML file (idempotent)."
 
     def add_arguments(self, parser):
-        parser.add_argument("file", help="a .json, .yaml or .yml file: a list of agents or {agents: [...]}")
+        parser.add_argument("file", help="a .json, .yaml or .yml file: a list of agents or {tenants: [...], agents: [...]}")
         parser.add_argument("--prune", action="store_true", help="remove agents the file no longer lists")
 
     def handle(self, *args, file, prune, **options):
         try:
-            report = agents_apply(load_agents_file(file), prune=prune)
+            report = registry_apply(load_registry_file(file), prune=prune)
         except FileNotFoundError:
             raise CommandError(f"No such file: {file}") from None
         except AgentFileError as exc:

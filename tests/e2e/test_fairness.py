@@ -1,0 +1,115 @@
+"""No tenant takes the service from the others: a tenant saturating the workers gets 429s
+for its excess (never errors) while another tenant's short turns go through, and one huge
+turn neither holds the worker's shared loop nor fills Redis."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import redis
+
+from ..support import fold_events, parse_sse
+from .test_limits import limited_tenant
+from .turns import LiveTurn, text_reply, user
+
+A_TURN = "/slow 15 200"  # about 3 s on a worker thread
+MARGIN_SECONDS = 3.0
+
+
+def timed_turn(stack, tenant: str, session: str, text: str) -> dict:
+    """One streamed turn: its status, stop reason, time to first content and duration."""
+    http = httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {stack.tokens[tenant]}"}, timeout=120)
+    started = time.monotonic()
+    first = None
+    raw = b""
+    try:
+        with http.stream("POST", f"/v1/sessions/{session}/turns", json={"messages": user(text), "stream": "delta"}) as response:
+            if response.status_code != 200:
+                return {"status": response.status_code, "body": response.read()}
+            for chunk in response.iter_bytes():
+                raw += chunk
+                if first is None and b"event: text_delta" in raw:
+                    first = time.monotonic() - started
+    finally:
+        http.close()
+    events, _ = parse_sse(raw)
+    return {
+        "status": 200, "stop": events[-1].data.get("stopReason"), "error": events[-1].data.get("_meta", {}).get("error"),
+        "first": first, "duration": time.monotonic() - started,
+    }
+
+
+def test_a_saturating_tenant_gets_429s_while_another_tenants_short_turns_complete(pg_stack, tmp_path):
+    # A may keep the worker's 16 threads busy and 8 more turns waiting; the rest is refused.
+    a_name, a_client = limited_tenant(pg_stack, tmp_path, maxRunningTurns=16, maxQueuedTurns=8, turnsPerMinute=0)
+    b_name, b_client = limited_tenant(pg_stack, tmp_path)
+    a_sessions = [a_client.create_session("echo") for _ in range(64)]  # 4 times the worker's threads
+    b_session = b_client.create_session("echo")
+    stop = threading.Event()
+    a_results: list[dict] = []
+
+    def saturate(session):
+        while not stop.is_set():
+            result = timed_turn(pg_stack, a_name, session, A_TURN)
+            a_results.append(result)
+            if result["status"] == 429:
+                time.sleep(0.5)
+
+    with ThreadPoolExecutor(64) as pool:
+        for session in a_sessions:
+            pool.submit(saturate, session)
+        try:
+            time.sleep(4)  # A has filled its places
+            b_results = [timed_turn(pg_stack, b_name, b_session, f"short {i}") for i in range(8)]
+        finally:
+            stop.set()
+    a_client.close()
+    b_client.close()
+
+    accepted = [r for r in a_results if r["status"] == 200]
+    refused = [r for r in a_results if r["status"] == 429]
+    assert refused, "A's excess must be refused at the door"
+    assert {r["status"] for r in a_results} == {200, 429}, [r for r in a_results if r["status"] not in (200, 429)]
+    assert all(r["stop"] == "end_turn" for r in accepted), [r for r in accepted if r["stop"] != "end_turn"][:3]
+    longest_a = max(r["duration"] - r["first"] for r in accepted)  # one turn, from its start to its end
+    assert all(r["status"] == 200 and r["stop"] == "end_turn" for r in b_results), b_results
+    waits = [r["first"] for r in b_results]
+    assert max(waits) <= longest_a + MARGIN_SECONDS, (waits, longest_a)
+
+
+def test_a_one_mib_turn_of_words_neither_stalls_another_tenants_turn_nor_fills_redis(pg_stack, demo, other):
+    text = "a " * 524288  # 1 MiB of one-word deltas
+    big_session = demo.create_session("echo")
+    big = LiveTurn.turn(pg_stack, big_session, text, stream="delta")
+    big.wait_events(3)
+    small_session = other.create_session("echo")
+    small = other.turn(small_session, text="/slow 20 50", stream="delta")
+    big_ended = big.finished.is_set()
+    big.wait_end(timeout=180)
+
+    # The other tenant's turn ran on the same worker at its own pace, to its end.
+    assert small.stop_reason == "end_turn"
+    assert small.messages == text_reply("".join(f"tick {i} " for i in range(1, 21)))
+    emitted = [e.data["_meta"]["emittedAt"] for e in small.events if e.event == "text_delta"]
+    gaps = [b - a for a, b in zip(emitted, emitted[1:])]
+    assert max(gaps) < 1.0, gaps  # 50 ms apart; the shared loop was never held for long
+    assert not big_ended, "the big turn must still be streaming while the other one runs"
+
+    # The big turn is whole, in its stream and in history, and its Redis stream stays small.
+    result = big.result()
+    assert result.stop_reason == "end_turn"
+    assert result.messages == text_reply("echo: " + text)
+    assert fold_events([e.as_dict() for e in result.events]) == demo.history(big_session)[1:]
+    client = redis.Redis.from_url(os.environ["REDIS_URL"])
+    try:
+        entries = client.xlen(f"aap:ev:{big.turn_id}")
+        footprint = client.memory_usage(f"aap:ev:{big.turn_id}")
+    finally:
+        client.close()
+    assert len(result.events) == entries
+    assert entries <= 5000, entries  # 524,290 entries (32 MB) when every word was one
+    assert footprint < 4 * 1024 * 1024, footprint
