@@ -78,7 +78,9 @@ HTTP_LATENCY = Histogram(
     "aap_http_request_duration_seconds", "Time to the response head, by route.", ["route", "method"],
     buckets=LATENCY_BUCKETS,
 )
-RATE_LIMITED = Counter("aap_rate_limited", "Requests refused with 429, by the limit that refused them.", ["limit"])
+RATE_LIMITED = Counter(
+    "aap_rate_limited", "Requests refused with 429, by the limit that refused them (details.limit).", ["limit"]
+)
 TURNS_STARTED = Counter("aap_turns_started", "Turns accepted, by agent, tenant and stream mode.", ["agent", "tenant", "stream"])
 TURNS_FINISHED = Counter(
     "aap_turns_finished", "Turns run to their end by a worker, by agent, tenant and stop reason.",
@@ -326,7 +328,12 @@ def metrics_view(request):
 
 
 def _policy_name(response) -> str:
-    # RateLimit-Policy: "tenant-turns";q=10;w=60 -> tenant-turns
+    """The limit a 429 names: its body's `details.limit`, else its RateLimit-Policy's name."""
+    data = getattr(response, "data", None)
+    details = data.get("details") if isinstance(data, dict) else None
+    if isinstance(details, dict) and isinstance(details.get("limit"), str):
+        return _limit(details["limit"])
+    # RateLimit-Policy: "turns";q=10;w=60 -> turns
     policy = response.get("RateLimit-Policy", "") if hasattr(response, "get") else ""
     match = re.match(r'\s*"?([A-Za-z0-9_.-]+)', policy or "")
     return _limit(match.group(1)) if match else "unknown"

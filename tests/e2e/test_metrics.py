@@ -156,6 +156,25 @@ def test_turns_show_up_in_web_and_worker_families(metered, fake_llm):
         assert leaked not in text
 
 
+def test_429s_are_counted_by_the_limit_that_refused_them(metered, tmp_path):
+    tenant = new_tenant(metered)
+    path = tmp_path / "limits.json"
+    path.write_text(json.dumps({"tenants": [{"name": tenant, "limits": {"turnsPerMinute": 1}}]}))
+    metered.manage("apply_agents", str(path))
+    before = value(samples(metered), "aap_rate_limited_total", limit="turnsPerMinute")
+    client = metered.client(tenant)
+    try:
+        session = client.create_session("echo")
+        assert client.turn(session, text="one").status == 200
+        refused = client.turn(session, text="two")
+    finally:
+        client.close()
+    assert refused.status == 429 and refused.body["details"] == {"limit": "turnsPerMinute"}
+    found = samples(metered)
+    assert value(found, "aap_rate_limited_total", limit="turnsPerMinute") == before + 1
+    assert value(found, "aap_http_requests_total", route=TURNS_ROUTE, method="POST", status="429") >= 1
+
+
 def test_open_streams_count_a_running_turn_and_drop_after_it(metered):
     client = metered.client()
     session = client.create_session("echo")

@@ -34,6 +34,14 @@ def test_a_429_is_counted_under_its_policy_name(header, name):
     assert metrics._policy_name(response) == name
 
 
+def test_a_429_is_counted_under_the_limit_its_body_names():
+    from rest_framework.response import Response
+
+    response = Response({"error": "...", "details": {"limit": "runningTurns"}}, status=429)
+    response["RateLimit-Policy"] = '"turns";q=3;w=60'
+    assert metrics._policy_name(response) == "runningTurns"
+
+
 def test_usage_query_defaults_to_the_last_30_days_by_agent():
     query = usage_query({})
     assert query["group_by"] == "agent"
