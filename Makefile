@@ -3,6 +3,7 @@
 #   make run                 migrate, seed the demo tenant, serve on 127.0.0.1:8000
 #   make test [ARGS=...]     the suite against PostgreSQL + Redis (throwaway servers when none answer)
 #   make bench [FULL=1]      the benchmark
+#   make chaos [ARGS=...]    the fault-injection suite (its own PostgreSQL, Redis, Daphne, workers)
 #   make migrate | seed | worker | clean
 
 PYTHON ?= python3
@@ -17,7 +18,7 @@ FULL        ?=
 CELERY_CONCURRENCY ?= 16
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install run test bench migrate seed worker clean
+.PHONY: help venv install run test chaos bench migrate seed worker clean
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -39,6 +40,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	scripts/test.sh $(PYTEST_ARGS)
+
+# Faults (tests/chaos): the suite starts and kills its own servers, so it needs no
+# DATABASE_URL / REDIS_URL and runs without pytest-django's test database.
+chaos: $(STAMP)
+	AAP_CHAOS=1 $(BIN)/python -m pytest -p no:django -p no:cacheprovider -W ignore::pytest.PytestConfigWarning tests/chaos $(PYTEST_ARGS)
 
 # The bench gets PostgreSQL + Redis like the suite (scripts/services.sh).
 bench: $(STAMP)

@@ -85,6 +85,14 @@ def error_body(message: str, details=None) -> dict:
     return body
 
 
+def _is_redis_unavailable(exc) -> bool:
+    try:
+        from redis.exceptions import ConnectionError, TimeoutError
+    except ImportError:  # the embedded mode runs without redis-py
+        return False
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
 def exception_handler(exc, context):
     """DRF exception handler producing the AAP error shape."""
     headers = {}
@@ -139,6 +147,13 @@ def exception_handler(exc, context):
         logger.error("database unavailable in %s: %s", type(context.get("view")).__name__, type(exc).__name__)
         return Response(
             error_body("The database is unavailable or saturated right now; retry in a few seconds."),
+            status=status.HTTP_503_SERVICE_UNAVAILABLE,
+            headers={"Retry-After": "5"},
+        )
+    if _is_redis_unavailable(exc):
+        logger.error("redis unavailable in %s: %s", type(context.get("view")).__name__, type(exc).__name__)
+        return Response(
+            error_body("The event service is unavailable right now and nothing was stored; retry in a few seconds."),
             status=status.HTTP_503_SERVICE_UNAVAILABLE,
             headers={"Retry-After": "5"},
         )

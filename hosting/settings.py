@@ -174,6 +174,9 @@ if DATABASE_URL:
     if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
         # Under ASGI every request runs in its own thread, so per-thread persistent
         # connections are never reused: a pool per process serves web and worker threads.
+        # A pooled connection is checked before it is handed out: after a PostgreSQL restart
+        # the dead ones are replaced instead of failing a request or a turn.
+        DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
         DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
             "min_size": env_int("DATABASE_POOL_MIN", 1),
             "max_size": env_int("DATABASE_POOL_MAX", 20),
@@ -207,13 +210,24 @@ REDIS_URL = os.environ.get("REDIS_URL", "")
 REDIS_POOL_MAX = env_int("REDIS_POOL_MAX", 50)
 CELERY_BROKER_URL = REDIS_URL or "memory://"
 CELERY_TASK_IGNORE_RESULT = True
-CELERY_TASK_ACKS_LATE = False
+# A turn's message is acknowledged when its task returns, and a worker reserves no more
+# messages than it has free threads: a worker that stops or dies hands its turns back.
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-# Kombu's Redis ack emulation re-queues a message unacknowledged for an hour (two extra
-# Redis transactions per message). A turn whose worker vanished is ended long before that
-# (AAP_TURN_START_TIMEOUT_SECONDS, the lease), and a worker stopping cleanly still puts its
-# prefetched messages back.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"ack_emulation": False}
+CELERY_WORKER_DISABLE_PREFETCH = env_bool("AAP_WORKER_DISABLE_PREFETCH", True)
+# Kombu's Redis ack emulation keeps a delivered message until it is acknowledged: a warm
+# shutdown puts unstarted ones back at once, and a killed worker's come back after the
+# visibility timeout (a second delivery of a running turn is a no-op: claims are once).
+AAP_QUEUE_VISIBILITY_SECONDS = env_int("AAP_QUEUE_VISIBILITY_SECONDS", 60)
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "ack_emulation": True,
+    "visibility_timeout": AAP_QUEUE_VISIBILITY_SECONDS,
+    "unacked_restore_interval": max(1, AAP_QUEUE_VISIBILITY_SECONDS // 6),
+    "unacked_restore_throttle": 1,
+    "socket_timeout": 10,
+    "socket_connect_timeout": 5,
+}
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_DEFAULT_QUEUE = "aap-turns"
 # Every worker also consumes its own direct queue: a turn answering a prompt that one
@@ -233,13 +247,22 @@ AAP_REQUEST_HEADERS_TIMEOUT_SECONDS = env_float("AAP_REQUEST_HEADERS_TIMEOUT_SEC
 AAP_REQUEST_BODY_TIMEOUT_SECONDS = env_float("AAP_REQUEST_BODY_TIMEOUT_SECONDS", 60.0)
 # How long a turn's events can be replayed after it ends.
 AAP_EVENT_RETENTION_SECONDS = env_int("AAP_EVENT_RETENTION_SECONDS", 3600)
+# How long a running turn's event stream is kept at most (longer than any turn runs).
+AAP_LIVE_EVENTS_TTL_SECONDS = env_int("AAP_LIVE_EVENTS_TTL_SECONDS", 24 * 3600)
 # How long an `AAP-Events-Ticket` (EventSource re-attach without headers) stays valid.
 AAP_EVENTS_TICKET_SECONDS = env_int("AAP_EVENTS_TICKET_SECONDS", 3600)
 AAP_SSE_PING_SECONDS = env_float("AAP_SSE_PING_SECONDS", 15.0)
 # A running turn refreshes a lease; a turn whose lease lapses is declared lost.
 AAP_TURN_LEASE_SECONDS = env_float("AAP_TURN_LEASE_SECONDS", 10.0)
-# A queued turn that no worker has picked up within this time is declared lost.
-AAP_TURN_START_TIMEOUT_SECONDS = env_float("AAP_TURN_START_TIMEOUT_SECONDS", 20.0)
+# A queued turn whose dispatch left no trace in Redis (a crash between commit and enqueue,
+# Redis down or restarted) is dispatched again from its row after this grace period.
+AAP_TURN_DISPATCH_GRACE_SECONDS = env_float("AAP_TURN_DISPATCH_GRACE_SECONDS", 5.0)
+# A stream whose event source fails keeps pinging and retrying this long, then closes.
+AAP_STREAM_RETRY_SECONDS = env_float("AAP_STREAM_RETRY_SECONDS", 30.0)
+# How long a worker retries its claim or finish of a turn while PostgreSQL is unreachable.
+AAP_DB_RETRY_SECONDS = env_float("AAP_DB_RETRY_SECONDS", 60.0)
+# How long an Idempotency-Key is remembered.
+AAP_IDEMPOTENCY_SECONDS = env_int("AAP_IDEMPOTENCY_SECONDS", 24 * 3600)
 # Threads of the web process that run turns in the embedded mode (no REDIS_URL).
 AAP_EMBEDDED_WORKERS = env_int("AAP_EMBEDDED_WORKERS", 8)
 # Root of per-session workspaces (ACP agents).

@@ -26,7 +26,11 @@ from django.conf import settings
 logger = logging.getLogger(__name__)
 
 CANCEL_CHANNEL = "aap:cancel"
-LIVE_STREAM_TTL = 24 * 3600  # a running turn's stream outlives any turn
+
+
+def live_stream_ttl() -> int:
+    """How long a running turn's stream (and its cancel flag) is kept: longer than any turn."""
+    return settings.AAP_LIVE_EVENTS_TTL_SECONDS
 
 
 def _stream_key(turn_id: str) -> str:
@@ -43,6 +47,10 @@ def _cancel_key(turn_id: str) -> str:
 
 def _notify_channel(turn_id: str) -> str:
     return f"aap:evn:{turn_id}"
+
+
+def _dispatch_key(turn_id: str) -> str:
+    return f"aap:disp:{turn_id}"
 
 
 class Watcher:
@@ -177,6 +185,9 @@ class _PublishBatcher:
                 for seq, event in batch:
                     pipe.xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
                 pipe.publish(_notify_channel(turn_id), json.dumps(batch))
+            # A stream recreated after a Redis restart gets an expiry too (its turn_start had it).
+            for turn_id in {turn_id for turn_id, _, _ in work}:
+                pipe.expire(_stream_key(turn_id), live_stream_ttl())
             try:
                 results = await pipe.execute(raise_on_error=False)
             except Exception as exc:  # the connection failed: every caller of this round learns it
@@ -206,7 +217,7 @@ class RedisEvents:
         self.sync = redis.Redis(
             connection_pool=redis.BlockingConnectionPool.from_url(
                 url, max_connections=settings.REDIS_POOL_MAX, timeout=30,
-                decode_responses=True, socket_timeout=30, socket_connect_timeout=5,
+                decode_responses=True, socket_timeout=30, socket_connect_timeout=5, health_check_interval=5,
             )
         )
         self._async: dict[asyncio.AbstractEventLoop, object] = {}
@@ -232,7 +243,7 @@ class RedisEvents:
         return self._per_loop(self._async, lambda: aredis.Redis(
             connection_pool=aredis.BlockingConnectionPool.from_url(
                 self.url, max_connections=settings.REDIS_POOL_MAX, timeout=30,
-                decode_responses=True, socket_timeout=None, socket_connect_timeout=5,
+                decode_responses=True, socket_timeout=None, socket_connect_timeout=5, health_check_interval=5,
             )
         ))
 
@@ -244,7 +255,7 @@ class RedisEvents:
     def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
         pipe = self.sync.pipeline(transaction=False)
         pipe.xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
-        pipe.expire(_stream_key(turn_id), settings.AAP_EVENT_RETENTION_SECONDS if final else LIVE_STREAM_TTL)
+        pipe.expire(_stream_key(turn_id), settings.AAP_EVENT_RETENTION_SECONDS if final else live_stream_ttl())
         pipe.publish(_notify_channel(turn_id), json.dumps([(seq, event)]))
         pipe.execute()
 
@@ -282,10 +293,20 @@ class RedisEvents:
     def lease_alive_sync(self, turn_id: str) -> bool:
         return bool(self.sync.exists(_lease_key(turn_id)))
 
+    # dispatch marks: a turn handed to the broker, in the broker's own Redis (they vanish together)
+    def mark_dispatched_sync(self, turn_id: str, ttl: float) -> None:
+        self.sync.set(_dispatch_key(turn_id), "1", px=int(ttl * 1000))
+
+    def dispatched_sync(self, turn_id: str) -> bool:
+        return bool(self.sync.exists(_dispatch_key(turn_id)))
+
+    def clear_dispatched_sync(self, turn_id: str) -> None:
+        self.sync.delete(_dispatch_key(turn_id))
+
     # cancel
     def request_cancel_sync(self, turn_id: str) -> None:
         pipe = self.sync.pipeline(transaction=False)
-        pipe.set(_cancel_key(turn_id), "1", ex=LIVE_STREAM_TTL)
+        pipe.set(_cancel_key(turn_id), "1", ex=live_stream_ttl())
         pipe.publish(CANCEL_CHANNEL, turn_id)
         pipe.execute()
 
@@ -326,6 +347,7 @@ class MemoryEvents:
     def __init__(self):
         self._logs: dict[str, _MemoryLog] = {}
         self._leases: dict[str, float] = {}
+        self._dispatched: dict[str, float] = {}
         self._cancelled: set[str] = set()
         self._cancel_handlers: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
@@ -400,6 +422,15 @@ class MemoryEvents:
 
     def lease_alive_sync(self, turn_id: str) -> bool:
         return self._leases.get(turn_id, 0) > time.monotonic()
+
+    def mark_dispatched_sync(self, turn_id: str, ttl: float) -> None:
+        self._dispatched[turn_id] = time.monotonic() + ttl
+
+    def dispatched_sync(self, turn_id: str) -> bool:
+        return self._dispatched.get(turn_id, 0) > time.monotonic()
+
+    def clear_dispatched_sync(self, turn_id: str) -> None:
+        self._dispatched.pop(turn_id, None)
 
     def request_cancel_sync(self, turn_id: str) -> None:
         self._cancelled.add(turn_id)

@@ -45,6 +45,19 @@ logger = logging.getLogger(__name__)
 _loop_lock = threading.Lock()
 _loop: tuple[int, asyncio.AbstractEventLoop] | None = None
 _running: dict[str, asyncio.Task] = {}
+_publishers: dict[str, "_Publisher"] = {}
+
+
+def output_so_far(turn_id: str) -> list[dict] | None:
+    """What the running turn's agent produced so far, as `message`-mode events (whole
+    blocks; the last one as far as it got). None: not running here. Called from the
+    heartbeat thread: it shapes a snapshot of the list the loop appends to."""
+    publisher = _publishers.get(turn_id)
+    if publisher is None:
+        return None
+    shaper = MessageShaper("message")
+    shaped = [out for event in publisher.produced.events() for out in shaper.feed(event)]
+    return shaped + shaper.flush()
 
 
 def runtime_loop() -> asyncio.AbstractEventLoop:
@@ -282,6 +295,14 @@ async def _keep_lease(turn_id: str) -> None:
             logger.warning("lease refresh failed for %s: %s", turn_id, type(exc).__name__)
 
 
+async def _cancel_requested(turn_id: str) -> bool:
+    try:
+        return await events.backend().cancel_requested(turn_id)
+    except Exception as exc:  # Redis down: the turn runs (a cancel sent meanwhile was refused with 503)
+        logger.warning("could not check turn %s for a cancel: %s", turn_id, type(exc).__name__)
+        return False
+
+
 def _log_failure(plan: TurnPlan, exc: BaseException) -> None:
     logger.error("turn %s (agent %s) failed: %s", plan.turn_id, plan.agent_name, describe_failure(exc))
 
@@ -294,10 +315,11 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
     lease = asyncio.create_task(_keep_lease(plan.turn_id))
     task = asyncio.current_task()
     _running[plan.turn_id] = task
+    _publishers[plan.turn_id] = publisher
     cancelled, error = False, ""
     stop_reason = "error"
     try:
-        if await events.backend().cancel_requested(plan.turn_id):
+        if await _cancel_requested(plan.turn_id):
             # Cancelled while queued: a CancelledError raised here would not count as a cancel.
             cancelled, stop_reason = True, "end_turn"
         else:
@@ -321,6 +343,7 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
         stop_reason, error = "error", f"The agent failed ({type(exc).__name__})."
     finally:
         _running.pop(plan.turn_id, None)
+        _publishers.pop(plan.turn_id, None)
         lease.cancel()
     try:
         await publisher.close()

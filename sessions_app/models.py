@@ -109,9 +109,34 @@ class Turn(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # Written by the worker while the turn runs: liveness that survives a Redis restart.
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # The fold of what the agent produced so far (message/none modes), for crash recovery.
+    partial = models.TextField(blank=True)
+    # Position of the first message the agent produced in full history (0: none stored yet).
+    output_seq = models.BigIntegerField(default=0)
 
     class Meta:
         indexes = [models.Index(fields=["status", "created_at"], name="turn_status_created")]
 
     def __str__(self) -> str:
         return self.id
+
+
+class IdempotencyKey(models.Model):
+    """An `Idempotency-Key` a tenant sent with a request that created something: a retry
+    with the same key and request gets the same session or turn back."""
+
+    tenant = models.ForeignKey("hosting.Tenant", on_delete=models.CASCADE, related_name="+")
+    key = models.CharField(max_length=255)
+    fingerprint = models.CharField(max_length=64, help_text="sha256 of the method, path and JSON body.")
+    session_public_id = models.CharField(max_length=64)
+    turn_id = models.CharField(max_length=40, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "key"], name="unique_idempotency_key")]
+        indexes = [models.Index(fields=["created_at"], name="idempotency_created")]
+
+    def __str__(self) -> str:
+        return self.key

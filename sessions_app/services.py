@@ -10,7 +10,8 @@ import dataclasses
 import logging
 import time
 
-from django.db import connection, transaction
+from django.conf import settings
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.utils import timezone
 
 from agents.models import Agent, AgentOption
@@ -20,8 +21,8 @@ from agents.selectors import agent_definition, server_tool_specs
 from hosting import crypto, metrics
 from hosting.errors import BadRequest, Conflict, NotFound, describe_failure
 
-from . import admission, events, host, turn_store
-from .models import Message, Session, Turn, new_turn_id
+from . import admission, dispatch, events, host, idempotency_keys, liveness, turn_store
+from .models import IdempotencyKey, Message, Session, Turn, new_turn_id
 from .protocol import content_images, dumps, fold, image_kind, tool_uses, unstorable
 
 logger = logging.getLogger(__name__)
@@ -199,10 +200,28 @@ def pending_from_history(messages: list[dict], client_tools: list[dict] | None, 
 # --- sessions --------------------------------------------------------------------------------
 
 
+def session_create(*, tenant, agent_config: dict, messages: list[dict] | None, tools: list[dict] | None,
+                   idempotency: tuple[str, str] | None = None) -> Session:
+    """Create a session (validated against the agent) and store its seed history.
+
+    `idempotency` is (Idempotency-Key, request fingerprint): a retry of the same request
+    gets the same session back instead of a second one."""
+    created, row = idempotency_keys.create_once(
+        lambda: _session_create(tenant=tenant, agent_config=agent_config, messages=messages, tools=tools,
+                                idempotency=idempotency),
+        tenant, idempotency,
+    )
+    return created if created is not None else Session(public_id=row.session_public_id)
+
+
 @transaction.atomic
-def session_create(*, tenant, agent_config: dict, messages: list[dict] | None, tools: list[dict] | None) -> Session:
-    """Create a session (validated against the agent) and store its seed history."""
+def _session_create(*, tenant, agent_config: dict, messages: list[dict] | None, tools: list[dict] | None,
+                    idempotency: tuple[str, str] | None) -> Session:
     from agents.selectors import agent_for_tenant
+
+    row = idempotency_keys.replayed(tenant, idempotency)
+    if row is not None:
+        return Session(public_id=row.session_public_id)
 
     agent = agent_for_tenant(agent_config["name"], tenant)
     if agent is None:
@@ -219,6 +238,7 @@ def session_create(*, tenant, agent_config: dict, messages: list[dict] | None, t
         _append_messages(session, messages, compacted_from=_seed_compaction_start(agent, messages))
         session.pending_calls = pending_from_history(messages, tools, server_refs)
         session.save(update_fields=["message_seq", "pending_calls"])
+    idempotency_keys.remember(tenant, idempotency, session.public_id)
     return session
 
 
@@ -324,14 +344,33 @@ def _answers_for_pending(pending: list[dict], messages: list[dict]) -> tuple[lis
     return tool_messages, permissions
 
 
-def turn_start(*, tenant, session_id: str, data: dict) -> Turn:
+def turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, str] | None = None) -> Turn:
     """Validate a turn against the session, store its incoming messages, enqueue it.
 
-    Raises BadRequest (400), NotFound (404) or Conflict (409, a turn is running). Returns
-    the new turn (not read back from the database).
+    Raises BadRequest (400), NotFound (404), Conflict (409, a turn is running) or a Redis
+    error (503: nothing is stored). Returns the new turn (not read back from the database),
+    or, for a retry with the same `idempotency` key and request, the turn it started.
     """
+    created, row = idempotency_keys.create_once(
+        lambda: _turn_start(tenant=tenant, session_id=session_id, data=data, idempotency=idempotency),
+        tenant, idempotency,
+    )
+    return created if created is not None else _replayed_turn(row)
+
+
+def _replayed_turn(row: IdempotencyKey) -> Turn:
+    turn = Turn.objects.filter(id=row.turn_id).first()
+    if turn is None:
+        raise NotFound("The turn this Idempotency-Key started no longer exists (its session was deleted).")
+    return turn
+
+
+def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, str] | None) -> Turn:
     with transaction.atomic():
         session = _lock_session(tenant, session_id)
+        row = idempotency_keys.replayed(tenant, idempotency)
+        if row is not None:
+            return _replayed_turn(row)
         if session.active_turn_id is not None:
             if not _end_active_if_lost(session):
                 raise Conflict("A turn is already running on this session; wait for its turn_stop or cancel it.")
@@ -369,9 +408,13 @@ def turn_start(*, tenant, session_id: str, data: dict) -> Turn:
         turn_store.update_session(
             session.pk, pending_calls=[], active_turn=turn.id, message_seq=session.message_seq + len(incoming), **changes
         )
+        idempotency_keys.remember(tenant, idempotency, session.public_id, turn.id)
         # Permission answers go to the worker holding the prompt that waits on them (ACP).
         node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
-        transaction.on_commit(lambda: _announce_and_enqueue(turn.id, node))
+        # `turn_start` (event 1) before the commit: a client sees its turn begin at once, and
+        # with Redis unreachable this raises, the transaction rolls back and nothing is stored.
+        events.backend().publish_sync(turn.id, 1, {"event": "turn_start", "_meta": {"turnId": turn.id}})
+        transaction.on_commit(lambda: dispatch.dispatch(turn.id, node=node))
     metrics.turn_started(agent=agent.name, tenant=tenant.name, stream=mode)
     return turn
 
@@ -385,20 +428,16 @@ def _lock_session(tenant, session_id: str) -> turn_store.SessionRow:
 
 def _end_active_if_lost(row: turn_store.SessionRow) -> bool:
     """The session's active turn is over, or was lost and is now ended. Inside the
-    transaction that locked the session."""
+    transaction that locked the session. A queued turn is never over: it waits (and is
+    dispatched again if its dispatch was lost)."""
     turn = Turn.objects.filter(id=row.active_turn_id).first()
     if turn is None:
         return True
+    if turn.status == Turn.QUEUED:
+        turn_id, created_at = turn.id, turn.created_at
+        transaction.on_commit(lambda: dispatch.redispatch_if_lost(turn_id, created_at))
+        return False
     return _finalize_if_lost(turn, Session.objects.get(pk=row.pk))
-
-
-def _announce_and_enqueue(turn_id: str, node: str | None) -> None:
-    """Publish `turn_start` (event 1) from here, so a client sees its turn begin at once,
-    then hand the turn to a worker."""
-    from .tasks import enqueue_turn
-
-    events.backend().publish_sync(turn_id, 1, {"event": "turn_start", "_meta": {"turnId": turn_id}})
-    enqueue_turn(turn_id, node=node)
 
 
 def _server_bindings(agent: Agent, refs: list[dict] | None) -> dict[str, ServerToolBinding]:
@@ -452,26 +491,74 @@ def _plan(turn_id: str, claimed: turn_store.ClaimedTurn, session: turn_store.Tur
     return plan, compacted
 
 
+DB_ERRORS = (OperationalError, InterfaceError)
+
+
+def _with_db_retry(function, *args):
+    """Call `function`, retrying while PostgreSQL is briefly unreachable (a restart, a
+    failover): a worker's claim or finish must not turn a database blip into a lost turn."""
+    deadline = time.monotonic() + settings.AAP_DB_RETRY_SECONDS
+    pause = 0.2
+    while True:
+        try:
+            return function(*args)
+        except DB_ERRORS as exc:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("database unavailable (%s); retrying %s", type(exc).__name__, function.__name__)
+            connection.close()  # a broken connection goes back to the pool, which discards it
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)
+
+
+def _output_json(turn_id: str) -> str | None:
+    shaped = host.output_so_far(turn_id)
+    return dumps(shaped) if shaped else None
+
+
 def turn_execute(turn_id: str) -> None:
     """Run a queued turn to its end and persist it. Safe to call twice (the second is a no-op)."""
     backend = events.backend()
-    backend.set_lease_sync(turn_id)  # before the claim, so a running turn always has a lease
+    try:
+        backend.set_lease_sync(turn_id)  # the Redis lease backs up the PostgreSQL heartbeat
+    except Exception as exc:
+        logger.warning("no Redis lease for turn %s (%s); its heartbeat stands alone", turn_id, type(exc).__name__)
     # One conditional UPDATE claims the turn: a second delivery of the task finds nothing to do.
-    claimed = turn_store.claim_turn(turn_id)
+    try:
+        claimed = _with_db_retry(turn_store.claim_turn, turn_id)
+    except DB_ERRORS:
+        try:
+            backend.clear_dispatched_sync(turn_id)  # the outbox dispatches it again once PostgreSQL is back
+        except Exception:
+            pass
+        raise
     if claimed is None:
         return
-    claimed_at = time.monotonic()
-    session = turn_store.session_for_turn(claimed.session_pk)
+    liveness.track(turn_id, None if claimed.stream == "delta" else lambda: _output_json(turn_id))
+    try:
+        _execute_claimed(turn_id, claimed)
+    finally:
+        liveness.untrack(turn_id)
+
+
+def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn) -> None:
+    try:
+        events.backend().clear_dispatched_sync(turn_id)
+    except Exception:
+        pass  # the mark expires by itself
+    session = _with_db_retry(turn_store.session_for_turn, claimed.session_pk)
     if session is None:
         return
     try:
-        plan, compacted = _plan(turn_id, claimed, session)
-        if time.monotonic() - claimed_at > 1.0:
-            backend.set_lease_sync(turn_id)  # preparing took a while; the host renews it from here
+        plan, compacted = _with_db_retry(_plan, turn_id, claimed, session)
     except Exception as exc:
         logger.error("turn %s could not be prepared: %s", turn_id, type(exc).__name__)
+        try:
+            last = events.last_seq_sync(turn_id)
+        except Exception:
+            last = 1
         outcome = host.TurnOutcome(
-            "error", [], [], events.last_seq_sync(turn_id), error="The turn could not be prepared.",
+            "error", [], [], last, error="The turn could not be prepared.",
             stop_meta={"error": "The turn could not be prepared."},
         )
         compacted = []
@@ -480,11 +567,14 @@ def turn_execute(turn_id: str) -> None:
         connection.close()
         outcome = host.execute_sync(plan)
     try:
-        _finish(turn_id, claimed.session_pk, outcome, compacted)
+        _with_db_retry(_finish, turn_id, claimed.session_pk, outcome, compacted)
     except Exception as exc:
         # Never re-raised to Celery, which would log the database's text (it quotes the values).
         logger.error("turn %s could not be stored: %s", turn_id, describe_failure(exc))
-        backend.clear_lease_sync(turn_id)  # listeners end it as lost at their next check
+        try:
+            events.backend().clear_lease_sync(turn_id)  # with its heartbeat stopped, it ends as lost
+        except Exception:
+            pass
 
 
 def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted: list[tuple[int, dict]]) -> None:
@@ -507,8 +597,12 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
             completion_tokens=outcome.completion_tokens,
             model_calls=outcome.model_calls,
         )
-        if not ended:
-            return  # declared lost meanwhile, or deleted with its session
+        reclaimed = not ended and _reclaim_declared_lost(turn_id, session_pk, outcome)
+        if not ended and not reclaimed:
+            # Deleted with its session, or this is a retry whose first commit went through
+            # (or a lost turn whose session moved on): the stream gets the stored ending.
+            transaction.on_commit(lambda: publish_stop_if_missing(turn_id))
+            return
         last = turn_store.close_turn_on_session(
             session_pk,
             added=len(outcome.messages),
@@ -520,11 +614,65 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
             return
         first = last - len(outcome.messages) + 1
         seqs = turn_store.insert_messages(session_pk, first, outcome.messages, turn_id=turn_id)
+        turn_store.set_output_seq(turn_id, first if outcome.messages else 0)
         _apply_compaction(session_pk, last, compacted + list(zip(seqs, outcome.messages)), outcome.compaction)
         meta = dict(outcome.stop_meta)
         if outcome.model_calls:
             meta["usage"] = {"promptTokens": outcome.prompt_tokens, "completionTokens": outcome.completion_tokens}
+        if reclaimed:
+            return  # its listeners already got the recovery's ending; history and the turn hold the truth
         transaction.on_commit(lambda: _publish_stop(turn_id, outcome.stop_reason, meta, seq=outcome.last_seq + 1))
+
+
+def _reclaim_declared_lost(turn_id: str, session_pk: int, outcome: host.TurnOutcome) -> bool:
+    """A worker finished a turn that was declared lost meanwhile (it was frozen longer than
+    the lease): its real result wins. When nothing was written to the session since, what
+    the recovery stored is taken back and the turn is running again, for _finish to end it."""
+    session = Session.objects.select_for_update().filter(pk=session_pk).first()
+    turn = Turn.objects.select_for_update().filter(id=turn_id).first()
+    if session is None or turn is None or turn.status != Turn.DONE or turn.error != LOST_ERROR:
+        return False
+    last_of_turn = Message.objects.filter(session_id=session_pk, kind=Message.FULL, turn_id=turn_id).order_by("-seq").first()
+    if session.active_turn_id is not None or last_of_turn is None or last_of_turn.seq != session.message_seq:
+        logger.warning("turn %s finished after it was declared lost and its session moved on; kept as lost", turn_id)
+        return False
+    cut = turn.output_seq or session.message_seq + 1
+    Message.objects.filter(session_id=session_pk, turn_id=turn_id, seq__gte=cut).delete()
+    Session.objects.filter(pk=session_pk).update(message_seq=cut - 1)
+    Turn.objects.filter(id=turn_id).update(status=Turn.RUNNING, stop_reason="", error="", finished_at=None, output_seq=0)
+    logger.warning("turn %s finished after it was declared lost; its real result replaces the recovered one", turn_id)
+    return turn_store.end_turn(
+        turn_id, stop_reason=outcome.stop_reason, cancelled=outcome.cancelled, error=outcome.error[:500],
+        prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
+        model_calls=outcome.model_calls,
+    )
+
+
+def _stored_stop(turn: Turn) -> tuple[str, dict]:
+    meta: dict = {}
+    if turn.cancelled:
+        meta["cancelled"] = True
+    if turn.error:
+        meta["error"] = turn.error
+    if turn.model_calls:
+        meta["usage"] = {"promptTokens": turn.prompt_tokens, "completionTokens": turn.completion_tokens}
+    return turn.stop_reason or "error", meta
+
+
+def publish_stop_if_missing(turn_id: str) -> None:
+    """A finished turn whose stream has events but no `turn_stop` (its publication failed:
+    Redis was down) gets one built from its row, so followers end."""
+    turn = Turn.objects.filter(id=turn_id, status=Turn.DONE).first()
+    if turn is None:
+        return
+    try:
+        last = events.backend().last_sync(turn_id)
+    except Exception:
+        return
+    if last is None or last[1].get("event") == "turn_stop":
+        return
+    stop_reason, meta = _stored_stop(turn)
+    _publish_stop(turn_id, stop_reason, meta, seq=last[0] + 1)
 
 
 def _publish_stop(turn_id: str, stop_reason: str, meta: dict, *, seq: int | None = None) -> None:
@@ -555,39 +703,58 @@ def turn_cancel(*, tenant, session_id: str, turn_id: str) -> Turn:
 # --- lost turns --------------------------------------------------------------------------------
 
 
-def _is_lost(turn: Turn) -> bool:
-    if turn.status == Turn.DONE:
-        return False
-    backend = events.backend()
-    if backend.lease_alive_sync(turn.id):
-        return False
-    if turn.status == Turn.RUNNING:
-        return True
-    from django.conf import settings
+LOST_ERROR = "The worker running this turn stopped before finishing."
 
-    waited = (timezone.now() - turn.created_at).total_seconds()
-    return waited > settings.AAP_TURN_START_TIMEOUT_SECONDS
+
+def _is_lost(turn: Turn) -> bool:
+    """A running turn whose PostgreSQL heartbeat is stale and whose Redis lease has lapsed.
+    Queued turns are never lost: they wait for a worker, however long the queue."""
+    if turn.status != Turn.RUNNING:
+        return False
+    beat = turn.heartbeat_at or turn.started_at
+    if beat is not None and (timezone.now() - beat).total_seconds() < settings.AAP_TURN_LEASE_SECONDS:
+        return False
+    try:
+        if events.backend().lease_alive_sync(turn.id):
+            return False  # e.g. PostgreSQL was down longer than the lease: the worker lives
+    except Exception:
+        pass  # Redis down: the heartbeat alone decides
+    return True
+
+
+def _produced_before_loss(turn: Turn, streamed: list[tuple[int, dict]]) -> tuple[list[dict], list[dict]]:
+    """What the lost worker's agent produced, and the events of it nobody was sent yet.
+
+    `message` and `none` modes publish whole blocks only; the worker's last checkpoint
+    (`partial`: its output as message-mode events) also holds the block it was in and any
+    it had not published. The stream's events are a prefix of the checkpoint's then."""
+    shown = [e for _, e in streamed if e["event"] not in ("turn_start", "turn_stop")]
+    if turn.partial and turn.stream != "delta":
+        import json
+
+        checkpoint = json.loads(turn.partial)
+        if len(checkpoint) >= len(shown) and fold(checkpoint[: len(shown)]) == fold(shown):
+            return fold(checkpoint), checkpoint[len(shown):]
+    return fold(shown), []
 
 
 def _finalize_if_lost(turn: Turn, session: Session) -> bool:
     """Inside a transaction holding the session lock: end a lost turn with `error`.
 
-    What the lost worker had already streamed is folded into history, so the history
-    still equals what listeners saw. Returns True when the turn was (or is now) over.
+    What the lost worker had already produced is folded into history, so the history
+    still equals what listeners saw (and more, in message/none modes). Returns True when
+    the turn was (or is now) over.
     """
     if turn.status == Turn.DONE:
         return True
     if not _is_lost(turn):
         return False
     streamed = events.backend().read_all_sync(turn.id)
-    produced = fold(e for _, e in streamed if e["event"] not in ("turn_start", "turn_stop"))
-    message = (
-        "The worker running this turn stopped before finishing."
-        if turn.status == Turn.RUNNING
-        else "No worker picked this turn up in time."
-    )
+    produced, unsent = _produced_before_loss(turn, streamed)
+    message = LOST_ERROR
     Turn.objects.filter(id=turn.id).update(
-        status=Turn.DONE, stop_reason="error", error=message, finished_at=timezone.now()
+        status=Turn.DONE, stop_reason="error", error=message, finished_at=timezone.now(), partial="",
+        output_seq=session.message_seq + 1 if produced else 0,
     )
     _append_messages(session, produced, turn=turn)
     session.pending_calls = []
@@ -595,20 +762,41 @@ def _finalize_if_lost(turn: Turn, session: Session) -> bool:
     session.save(update_fields=["message_seq", "pending_calls", "active_turn", "updated_at"])
     last = streamed[-1][0] if streamed else 0
     turn_id = turn.id
-    transaction.on_commit(lambda: _publish_stop(turn_id, "error", {"error": message}, seq=last + 1))
+
+    def publish_end():
+        # Listeners get the rest of what history now holds, then the ending.
+        try:
+            for offset, event in enumerate(unsent, start=1):
+                events.backend().publish_sync(turn_id, last + offset, event)
+        except Exception as exc:
+            logger.warning("could not publish the recovered output of %s: %s", turn_id, type(exc).__name__)
+        _publish_stop(turn_id, "error", {"error": message}, seq=last + len(unsent) + 1)
+
+    transaction.on_commit(publish_end)
     logger.warning("turn %s was lost (%s); ended with error", turn.id, turn.status)
     metrics.turn_lost(turn.status)
     turn.status = Turn.DONE
     return True
 
 
+_LIVENESS_FIELDS = ("status", "created_at", "session_id", "heartbeat_at", "started_at")
+
+
 def turn_recover_if_lost(turn_id: str) -> bool:
-    """End the turn with `error` if its worker is gone. Returns True if the turn is over."""
-    turn = Turn.objects.filter(id=turn_id).only("status", "created_at", "session_id").first()
+    """End the turn with `error` if its worker is gone; dispatch it again if it is queued
+    and its dispatch was lost; give a finished turn's stream its missing `turn_stop`.
+    Returns True if the turn is over."""
+    turn = Turn.objects.filter(id=turn_id).only(*_LIVENESS_FIELDS).first()
     if turn is None:
         return True
-    if turn.status == Turn.DONE or not _is_lost(turn):
-        return turn.status == Turn.DONE
+    if turn.status == Turn.QUEUED:
+        dispatch.redispatch_if_lost(turn.id, turn.created_at)
+        return False
+    if turn.status == Turn.DONE:
+        publish_stop_if_missing(turn_id)
+        return True
+    if not _is_lost(turn):
+        return False
     with transaction.atomic():
         session = Session.objects.select_for_update().filter(pk=turn.session_id).first()
         turn = Turn.objects.select_for_update().filter(id=turn_id).first()
@@ -617,11 +805,24 @@ def turn_recover_if_lost(turn_id: str) -> bool:
         return _finalize_if_lost(turn, session)
 
 
+def turn_result(turn_id: str) -> dict | None:
+    """A finished turn's `stream: "none"` body, from PostgreSQL alone (None: not finished)."""
+    turn = Turn.objects.filter(id=turn_id, status=Turn.DONE).first()
+    if turn is None:
+        return None
+    stop_reason, meta = _stored_stop(turn)
+    messages = turn_store.turn_output(turn_id, turn.session_id, turn.output_seq)
+    return {"stopReason": stop_reason, "messages": messages, "_meta": {"turnId": turn_id, **meta}}
+
+
 def sweep_stale_turns() -> int:
-    """End every lost turn (run periodically); returns how many were ended."""
+    """End every lost turn, dispatch queued turns whose dispatch was lost, forget expired
+    Idempotency-Keys (run periodically); returns how many turns were ended."""
+    dispatch.dispatch_pending()
+    idempotency_keys.forget_expired()
     ended = 0
-    for turn_id in Turn.objects.exclude(status=Turn.DONE).values_list("id", flat=True):
-        turn = Turn.objects.filter(id=turn_id).first()
-        if turn is not None and turn.status != Turn.DONE and _is_lost(turn):
+    for turn_id in Turn.objects.filter(status=Turn.RUNNING).values_list("id", flat=True):
+        turn = Turn.objects.filter(id=turn_id).only(*_LIVENESS_FIELDS).first()
+        if turn is not None and _is_lost(turn):
             ended += bool(turn_recover_if_lost(turn_id))
     return ended

@@ -2,12 +2,16 @@
 
 Both follow the turn's events (events.follow) on the web process's event loop, so an open
 stream costs no thread. While a turn is quiet they ping the client and check that the turn
-is still alive, ending a lost one with `error` (services.turn_recover_if_lost).
+is still alive, ending a lost one with `error` (services.turn_recover_if_lost). When the
+event source fails (Redis down) they keep pinging and retrying for AAP_STREAM_RETRY_SECONDS;
+then an SSE response closes without `turn_stop` (the client re-attaches), and a `none`
+response answers from PostgreSQL if the turn has ended there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from django.conf import settings
@@ -20,29 +24,59 @@ from hosting.handlers import on_web_threads
 from . import events, services
 from .protocol import SSE_PING, dumps, event_data, fold, sse_frame
 
+logger = logging.getLogger(__name__)
+
 LIVENESS_CHECK_SECONDS = 5.0
 
 _recover = on_web_threads(services.turn_recover_if_lost)
+_stored_result = on_web_threads(services.turn_result)
 _token_active = on_web_threads(token_is_active)
 # Yielded by _follow when the stream's API token was revoked (or expired) meanwhile.
 REVOKED = object()
 REVOKED_SENTENCE = "The API token of this stream was revoked or expired; the turn goes on, re-attach with a valid token."
 
 
+class StreamInterrupted(Exception):
+    """The turn's events cannot be followed to its end from here: the response closes."""
+
+
 async def _follow(turn_id: str, after: int, token_id: int | None = None):
     """Events of the turn, with QUIET markers at most every LIVENESS_CHECK_SECONDS; ends
-    with REVOKED once the stream's token is no longer valid (checked as often)."""
+    with REVOKED once the stream's token is no longer valid (checked as often). Across
+    failures of the event source: QUIET markers while it retries, then StreamInterrupted."""
     quiet = min(LIVENESS_CHECK_SECONDS, settings.AAP_SSE_PING_SECONDS)
     checked = time.monotonic()
-    async for item in events.follow(turn_id, after, quiet_seconds=quiet):
-        if token_id is not None and time.monotonic() - checked >= LIVENESS_CHECK_SECONDS:
-            checked = time.monotonic()
-            if not await _token_active(token_id):
-                yield REVOKED
-                return
-        if item is events.QUIET:
-            await _recover(turn_id)
-        yield item
+    failing_since: float | None = None
+    ended_quietly = 0  # quiet checks that found the turn over with no turn_stop in sight
+    while True:
+        try:
+            async for item in events.follow(turn_id, after, quiet_seconds=quiet):
+                failing_since = None
+                if token_id is not None and time.monotonic() - checked >= LIVENESS_CHECK_SECONDS:
+                    checked = time.monotonic()
+                    if not await _token_active(token_id):
+                        yield REVOKED
+                        return
+                if item is events.QUIET:
+                    if await _recover(turn_id):
+                        ended_quietly += 1
+                        if ended_quietly > 2:  # its stream has no end any more (wiped, expired)
+                            raise StreamInterrupted("the turn ended but its stream has no turn_stop")
+                else:
+                    after = item[0]
+                yield item
+            return
+        except StreamInterrupted:
+            raise
+        except Exception as exc:  # Redis or PostgreSQL unreachable: retry, pinging meanwhile
+            now = time.monotonic()
+            if failing_since is None:
+                failing_since = now
+                logger.warning("following turn %s failed (%s); retrying", turn_id, type(exc).__name__)
+            if now - failing_since > settings.AAP_STREAM_RETRY_SECONDS:
+                raise StreamInterrupted(type(exc).__name__) from None
+            yield events.QUIET
+            await asyncio.sleep(min(1.0, quiet))
 
 
 async def sse_stream(turn_id: str, after: int = 0, token_id: int | None = None):
@@ -67,20 +101,31 @@ async def json_result(turn_id: str, token_id: int | None = None):
     collected: list[dict] = []
     stop: dict = {}
     last_write = time.monotonic()
-    async for item in _follow(turn_id, 0, token_id):
-        if item is REVOKED:
-            yield dumps({"error": REVOKED_SENTENCE}).encode()
-            return
-        if item is events.QUIET:
-            if time.monotonic() - last_write >= settings.AAP_SSE_PING_SECONDS - 0.5:
-                last_write = time.monotonic()
-                yield b" "
-            continue
-        _, event = item
-        if event["event"] == "turn_stop":
-            stop = event
-        elif event["event"] != "turn_start":
-            collected.append(event)
+    try:
+        async for item in _follow(turn_id, 0, token_id):
+            if item is REVOKED:
+                yield dumps({"error": REVOKED_SENTENCE}).encode()
+                return
+            if item is events.QUIET:
+                if time.monotonic() - last_write >= settings.AAP_SSE_PING_SECONDS - 0.5:
+                    last_write = time.monotonic()
+                    yield b" "
+                continue
+            _, event = item
+            if event["event"] == "turn_stop":
+                stop = event
+            elif event["event"] != "turn_start":
+                collected.append(event)
+    except StreamInterrupted:
+        # PostgreSQL holds the finished turn's result; an unfinished one closes the response.
+        try:
+            stored = await _stored_result(turn_id)
+        except Exception:
+            stored = None
+        if stored is None:
+            raise
+        yield dumps(stored).encode()
+        return
     body = {"stopReason": stop.get("stopReason", "error"), "messages": fold(collected)}
     meta = {"turnId": turn_id, **event_data(stop).get("_meta", {})}
     body["_meta"] = meta
@@ -144,8 +189,13 @@ class TurnStreamHandoff:
         await send({"type": "http.response.body", "body": b"", "more_body": True})
 
         async def pump():
-            async for chunk in body:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                async for chunk in body:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except StreamInterrupted as exc:
+                logger.warning("closing the stream of turn %s: %s", turn_id, exc)
+            except Exception as exc:  # never leave a response open with nothing being sent
+                logger.error("the stream of turn %s failed: %s", turn_id, type(exc).__name__)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def disconnected():

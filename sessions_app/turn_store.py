@@ -155,8 +155,8 @@ def insert_turn(turn_id: str, session_pk: int, stream: str, permissions: list) -
     with connection.cursor() as cursor:
         cursor.execute(
             f"INSERT INTO {T} (id, session_id, status, stream, stop_reason, cancelled, permissions, error, "
-            f"prompt_tokens, completion_tokens, model_calls, created_at) "
-            f"VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s)",
+            f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq) "
+            f"VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0)",
             [turn_id, session_pk, Turn.QUEUED, stream, False, _json_param(Turn, "permissions", permissions), _now()],
         )
 
@@ -172,9 +172,9 @@ def claim_turn(turn_id: str) -> ClaimedTurn | None:
     """queued -> running, at most once: a second delivery of the task gets None."""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"UPDATE {T} SET status = %s, started_at = %s WHERE id = %s AND status = %s "
+            f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s WHERE id = %s AND status = %s "
             f"RETURNING session_id, stream, permissions",
-            [Turn.RUNNING, _now(), turn_id, Turn.QUEUED],
+            [Turn.RUNNING, _now(), _now(), turn_id, Turn.QUEUED],
         )
         row = cursor.fetchone()
     return ClaimedTurn(row[0], row[1], _json(row[2]) or []) if row else None
@@ -186,11 +186,52 @@ def end_turn(turn_id: str, *, stop_reason: str, cancelled: bool, error: str, pro
     with connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE {T} SET status = %s, stop_reason = %s, cancelled = %s, error = %s, finished_at = %s, "
-            f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s WHERE id = %s AND status = %s",
+            f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, partial = '' WHERE id = %s AND status = %s",
             [Turn.DONE, stop_reason, cancelled, error, _now(), prompt_tokens, completion_tokens, model_calls,
              turn_id, Turn.RUNNING],
         )
         return cursor.rowcount > 0
+
+
+def set_output_seq(turn_id: str, seq: int) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {T} SET output_seq = %s WHERE id = %s", [seq, turn_id])
+
+
+def heartbeat(turn_ids: list[str], partials: dict[str, str]) -> None:
+    """Mark running turns alive (one statement), and store the partial output of some."""
+    if not turn_ids:
+        return
+    now = _now()
+    with connection.cursor() as cursor:
+        marks = ", ".join(["%s"] * len(turn_ids))
+        cursor.execute(
+            f"UPDATE {T} SET heartbeat_at = %s WHERE status = %s AND id IN ({marks})", [now, Turn.RUNNING, *turn_ids]
+        )
+        for turn_id, text in partials.items():
+            cursor.execute(f"UPDATE {T} SET partial = %s WHERE id = %s AND status = %s", [text, turn_id, Turn.RUNNING])
+
+
+def queued_turns(older_than: datetime, limit: int = 500) -> list[str]:
+    """Ids of turns still queued that were created before `older_than`, oldest first."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT id FROM {T} WHERE status = %s AND created_at < %s ORDER BY created_at LIMIT %s",
+            [Turn.QUEUED, connection.ops.adapt_datetimefield_value(older_than), limit],
+        )
+        return [row[0] for row in cursor.fetchall()]
+
+
+def turn_output(turn_id: str, session_pk: int, output_seq: int) -> list[dict]:
+    """The messages a finished turn added to full history, in order."""
+    if not output_seq:
+        return []
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT data FROM {M} WHERE session_id = %s AND kind = %s AND turn_id = %s AND seq >= %s ORDER BY seq",
+            [session_pk, Message.FULL, turn_id, output_seq],
+        )
+        return [json.loads(row[0]) for row in cursor.fetchall()]
 
 
 # --- history ----------------------------------------------------------------------------------

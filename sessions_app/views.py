@@ -19,7 +19,7 @@ from hosting.authentication import (
 )
 from hosting.errors import BadRequest, NotFound
 
-from . import events, protocol, selectors, services
+from . import events, idempotency_keys, protocol, selectors, services
 from .models import Turn
 from .streaming import turn_response
 
@@ -28,6 +28,24 @@ ERRORS = {
     401: protocol.ErrorSerializer,
     404: protocol.ErrorSerializer,
 }
+
+
+IDEMPOTENCY_KEY = OpenApiParameter(
+    "Idempotency-Key", {"type": "string", "minLength": 1, "maxLength": 255}, OpenApiParameter.HEADER,
+    description="Makes a retry safe: the same key and request get the same session or turn back; "
+    "the same key with another request is 422.",
+)
+RETRY_ERRORS = {422: protocol.ErrorSerializer, 503: protocol.ErrorSerializer}
+
+
+def _idempotency(request) -> tuple[str, str] | None:
+    """(Idempotency-Key, fingerprint of the request) when the client sent the header."""
+    key = request.headers.get("Idempotency-Key")
+    if key is None:
+        return None
+    if not 1 <= len(key) <= 255 or not key.isprintable() or not key.isascii():
+        raise BadRequest("Idempotency-Key must be 1 to 255 printable ASCII characters (e.g. a UUID).")
+    return key, idempotency_keys.fingerprint(request.method, request.path, request.data)
 
 
 def _validated(serializer_class, data):
@@ -58,7 +76,8 @@ class SessionsView(APIView):
     @extend_schema(
         summary="Create a session",
         request=protocol.CreateSessionSerializer,
-        responses={201: protocol.SessionIdSerializer, **ERRORS},
+        parameters=[IDEMPOTENCY_KEY],
+        responses={201: protocol.SessionIdSerializer, **ERRORS, **RETRY_ERRORS},
     )
     def post(self, request):
         data = _validated(protocol.CreateSessionSerializer, request.data)
@@ -67,6 +86,7 @@ class SessionsView(APIView):
             agent_config=data["agent"],
             messages=data.get("messages"),
             tools=data.get("tools"),
+            idempotency=_idempotency(request),
         )
         return Response({"sessionId": session.public_id}, status=status.HTTP_201_CREATED)
 
@@ -116,10 +136,13 @@ TURN_RESPONSES = {
 
 
 class TurnsView(APIView):
-    @extend_schema(summary="Send a turn", request=protocol.TurnRequestSerializer, responses=TURN_RESPONSES)
+    @extend_schema(summary="Send a turn", request=protocol.TurnRequestSerializer, parameters=[IDEMPOTENCY_KEY],
+                   responses={**TURN_RESPONSES, **RETRY_ERRORS})
     def post(self, request, session_id):
         data = _validated(protocol.TurnRequestSerializer, request.data)
-        turn = services.turn_start(tenant=request.user.tenant, session_id=session_id, data=data)
+        turn = services.turn_start(
+            tenant=request.user.tenant, session_id=session_id, data=data, idempotency=_idempotency(request)
+        )
         response = turn_response(turn.id, turn.stream, token_id=request.user.token.pk)
         response["AAP-Events-Ticket"] = turn_events_ticket(request.user.token, session_id, turn.id)
         return response

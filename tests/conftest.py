@@ -17,7 +17,6 @@ from .support import ROOT, Stack
 TEST_ENV = {
     "AAP_SSE_PING_SECONDS": "1",
     "AAP_TURN_LEASE_SECONDS": "3",
-    "AAP_TURN_START_TIMEOUT_SECONDS": "8",
     "LOG_LEVEL": "INFO",
     # The suite's tenants run unlimited and every test calls from 127.0.0.1: the limits'
     # own tests (tests/e2e/test_limits.py) give their tenants and stacks explicit limits.

@@ -1,0 +1,79 @@
+"""Heartbeats of running turns, written to PostgreSQL by the process running them.
+
+One thread per worker process updates every running turn's `heartbeat_at` in one statement
+every third of AAP_TURN_LEASE_SECONDS, and stores what the agent produced so far in the
+modes that publish only whole blocks (`message`, `none`), so a crash loses none of it. A
+turn is declared lost only when this heartbeat is stale and its Redis lease has lapsed too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from django.conf import settings
+from django.db import connection
+
+from . import turn_store
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_running: dict[str, Callable[[], str | None] | None] = {}
+_last_partial: dict[str, str] = {}
+_thread: threading.Thread | None = None
+
+
+def interval() -> float:
+    return max(0.2, settings.AAP_TURN_LEASE_SECONDS / 3)
+
+
+def track(turn_id: str, partial: Callable[[], str | None] | None = None) -> None:
+    """Keep the turn's heartbeat while it runs; `partial()` gives its output so far (JSON)."""
+    global _thread
+    with _lock:
+        _running[turn_id] = partial
+        if _thread is None or not _thread.is_alive():
+            _thread = threading.Thread(target=_beat_forever, name="aap-heartbeat", daemon=True)
+            _thread.start()
+
+
+def untrack(turn_id: str) -> None:
+    with _lock:
+        _running.pop(turn_id, None)
+        _last_partial.pop(turn_id, None)
+
+
+def beat() -> None:
+    """One round: every tracked turn's heartbeat, and the partial outputs that changed."""
+    with _lock:
+        running = dict(_running)
+    if not running:
+        return
+    partials = {}
+    for turn_id, source in running.items():
+        if source is None:
+            continue
+        try:
+            text = source()
+        except Exception:
+            continue
+        if text and text != _last_partial.get(turn_id):
+            partials[turn_id] = text
+    try:
+        turn_store.heartbeat(list(running), partials)
+        _last_partial.update(partials)
+    finally:
+        connection.close()  # back to the pool; a broken one is discarded
+
+
+def _beat_forever() -> None:
+    import time
+
+    while True:
+        time.sleep(interval())
+        try:
+            beat()
+        except Exception as exc:  # PostgreSQL restarting: the next round tries again
+            logger.warning("turn heartbeats could not be written: %s", type(exc).__name__)
