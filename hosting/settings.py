@@ -342,3 +342,33 @@ LOGGING = {
         "openai": {"level": "WARNING"},
     },
 }
+
+# --- Observability: metrics, traces, the /try/ page (docs/observability.md) ---------------
+# off | token (/metrics behind AAP_METRICS_TOKEN) | port (an internal port, no auth).
+AAP_METRICS = os.environ.get("AAP_METRICS", "off").strip().lower() or "off"
+AAP_METRICS_TOKEN = os.environ.get("AAP_METRICS_TOKEN", "")
+AAP_METRICS_PORT = env_int("AAP_METRICS_PORT", 9464)
+AAP_METRICS_ADDR = os.environ.get("AAP_METRICS_ADDR", "127.0.0.1")
+if AAP_METRICS not in ("off", "token", "port"):
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(f"AAP_METRICS must be off, token or port (got {AAP_METRICS!r}).")
+if AAP_METRICS == "token" and len(AAP_METRICS_TOKEN) < 16:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("AAP_METRICS=token needs AAP_METRICS_TOKEN of at least 16 characters.")
+if AAP_METRICS != "off":
+    # prometheus_client's multiprocess mode: every web and worker process of a host writes here.
+    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(VAR_DIR / "metrics"))
+    Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
+    MIDDLEWARE = ["hosting.metrics.RequestMetricsMiddleware", *MIDDLEWARE]
+    AAP_API_MIDDLEWARE = ["hosting.metrics.RequestMetricsMiddleware", *AAP_API_MIDDLEWARE]
+# Traces are opt-in with the standard OTEL_* variables: without an OTLP endpoint nothing is set up.
+AAP_TRACING = bool(
+    os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+) and not env_bool("OTEL_SDK_DISABLED", False) and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none"
+if AAP_TRACING:
+    MIDDLEWARE = ["hosting.tracing.TracingMiddleware", *MIDDLEWARE]
+    AAP_API_MIDDLEWARE = ["hosting.tracing.TracingMiddleware", *AAP_API_MIDDLEWARE]
+# The /try/ chat page (a browser client of the public API); off unless enabled.
+AAP_TRY_PAGE = env_bool("AAP_TRY_PAGE", False)

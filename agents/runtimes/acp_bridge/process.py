@@ -29,6 +29,7 @@ from acp._transport import NdjsonTransport
 from acp.task import MessageSender, TaskSupervisor
 
 from agents.runtimes.base import AgentError
+from hosting import metrics
 
 from . import limits, sandbox, workspace
 from .egress import EgressProxy
@@ -253,6 +254,7 @@ class AgentProcess:
         else:
             logger.info("ACP agent %s started (pid %s, %s, sandboxed as uid %s)", self.spec.label, self.process.pid,
                         self.spec.argv[0], self.uid if self.uid is not None else os.getuid())
+        metrics.acp_process_started()
         self._output = _AgentOutput(self.process.stdout, self.process.stdin)
         self.conn = acp.connect_to_agent(BridgeClient(self), self._output)
         loop = asyncio.get_running_loop()
@@ -407,6 +409,7 @@ class AgentProcess:
 
     async def _watch(self) -> None:
         code = await self.process.wait()
+        metrics.acp_process_exited()
         if self.failure is None:
             failure = await self._exit_failure(code)
             self.failure = self.failure or failure
@@ -434,6 +437,7 @@ class AgentProcess:
         process = self.process
         if process is not None and process.returncode is None:
             if kill:
+                metrics.acp_process_killed()
                 self._signal(signal.SIGKILL)
             else:
                 with contextlib.suppress(Exception):
