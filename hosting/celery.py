@@ -24,6 +24,9 @@ def _remember_node_name(sender, **kwargs):
 
 @worker_ready.connect
 def _load_runtimes(**kwargs):
+    from agents.runtimes.acp_bridge.sandbox import harden_host
+
+    harden_host()  # not dumpable: no agent (nor any same-uid process) reads this worker's memory or environment
     # Import heavy runtime modules (the ACP SDK) now, not inside a first turn while its lease runs.
     from agents.runtimes import RUNTIME_KINDS, runtime_class
 

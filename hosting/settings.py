@@ -267,6 +267,12 @@ AAP_IDEMPOTENCY_SECONDS = env_int("AAP_IDEMPOTENCY_SECONDS", 24 * 3600)
 AAP_EMBEDDED_WORKERS = env_int("AAP_EMBEDDED_WORKERS", 8)
 # Root of per-session workspaces (ACP agents).
 AAP_WORKSPACE_ROOT = Path(os.environ.get("AAP_WORKSPACE_ROOT", VAR_DIR / "workspaces"))
+# The ACP sandbox (docs/acp-agents.md): when the service runs as root, each isolation unit's
+# agents run as a uid of its own from this range; a running unit is checked against its
+# limits this often.
+AAP_SANDBOX_UID_BASE = env_int("AAP_SANDBOX_UID_BASE", 200000)
+AAP_SANDBOX_UID_COUNT = env_int("AAP_SANDBOX_UID_COUNT", 100000)
+AAP_SANDBOX_MONITOR_SECONDS = env_float("AAP_SANDBOX_MONITOR_SECONDS", 1.0)
 
 # Per-tenant limits (sessions_app.admission): defaults for tenants that set none; 0 = no limit.
 AAP_TENANT_MAX_RUNNING_TURNS = env_int("AAP_TENANT_MAX_RUNNING_TURNS", 16)
@@ -354,3 +360,33 @@ LOGGING = {
 }
 # Celery workers and beat log through the handler above instead of replacing it.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+# --- Observability: metrics, traces, the /try/ page (docs/observability.md) ---------------
+# off | token (/metrics behind AAP_METRICS_TOKEN) | port (an internal port, no auth).
+AAP_METRICS = os.environ.get("AAP_METRICS", "off").strip().lower() or "off"
+AAP_METRICS_TOKEN = os.environ.get("AAP_METRICS_TOKEN", "")
+AAP_METRICS_PORT = env_int("AAP_METRICS_PORT", 9464)
+AAP_METRICS_ADDR = os.environ.get("AAP_METRICS_ADDR", "127.0.0.1")
+if AAP_METRICS not in ("off", "token", "port"):
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(f"AAP_METRICS must be off, token or port (got {AAP_METRICS!r}).")
+if AAP_METRICS == "token" and len(AAP_METRICS_TOKEN) < 16:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("AAP_METRICS=token needs AAP_METRICS_TOKEN of at least 16 characters.")
+if AAP_METRICS != "off":
+    # prometheus_client's multiprocess mode: every web and worker process of a host writes here.
+    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(VAR_DIR / "metrics"))
+    Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
+    MIDDLEWARE = ["hosting.metrics.RequestMetricsMiddleware", *MIDDLEWARE]
+    AAP_API_MIDDLEWARE = ["hosting.metrics.RequestMetricsMiddleware", *AAP_API_MIDDLEWARE]
+# Traces are opt-in with the standard OTEL_* variables: without an OTLP endpoint nothing is set up.
+AAP_TRACING = bool(
+    os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+) and not env_bool("OTEL_SDK_DISABLED", False) and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none"
+if AAP_TRACING:
+    MIDDLEWARE = ["hosting.tracing.TracingMiddleware", *MIDDLEWARE]
+    AAP_API_MIDDLEWARE = ["hosting.tracing.TracingMiddleware", *AAP_API_MIDDLEWARE]
+# The /try/ chat page (a browser client of the public API); off unless enabled.
+AAP_TRY_PAGE = env_bool("AAP_TRY_PAGE", False)

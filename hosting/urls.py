@@ -2,8 +2,11 @@ from django.contrib import admin
 from django.urls import path, register_converter
 from drf_spectacular.views import SpectacularJSONAPIView, SpectacularSwaggerSplitView
 
+from sessions_app import usage_admin
 from sessions_app import views as aap
+from sessions_app.playground import views as playground
 
+from . import metrics
 from .views import healthz
 
 
@@ -38,6 +41,10 @@ urlpatterns = [
         name="docs",
     ),
     path("healthz", healthz, name="healthz"),
+    path("v1/usage", aap.UsageView.as_view(), name="aap-usage"),
+    path("metrics", metrics.metrics_view, name="metrics"),
+    path("try/", playground.try_page, name="try"),
+    path("admin/usage/", usage_admin.usage, name="admin-usage"),
     path("admin/", admin.site.urls),
 ]
 

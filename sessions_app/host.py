@@ -20,6 +20,7 @@ import jsonschema
 from django.conf import settings
 
 from agents import tools as host_tools
+from hosting import metrics, tracing
 from hosting.errors import describe_failure
 from agents.runtimes import runtime_for
 from agents.runtimes.base import (
@@ -375,4 +376,4 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
 
 
 def execute_sync(plan: TurnPlan) -> TurnOutcome:
-    return run_sync(execute(plan))
+    return run_sync(tracing.carry(plan, metrics.timed_turn(plan, execute(plan))))

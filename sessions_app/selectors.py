@@ -76,3 +76,122 @@ def history_response(session: Session, history_type: str) -> HttpResponse:
     texts = Message.objects.filter(session=session, kind=history_type).order_by("seq").values_list("data", flat=True)
     body = '{"history":{"%s":[%s]}}' % (history_type, ",".join(texts))
     return HttpResponse(body.encode(), content_type="application/json")
+
+
+# --- usage ------------------------------------------------------------------------------------
+
+USAGE_GROUPS = {"agent": "agent", "session": "sessionId", "day": "day"}
+USAGE_MAX_DAYS = 366
+USAGE_MAX_ROWS = 1000
+
+
+def _usage_time(name: str, raw: str):
+    from datetime import UTC, datetime, time
+
+    from django.utils.dateparse import parse_date, parse_datetime
+
+    try:
+        moment = parse_datetime(raw)
+        if moment is None:
+            day = parse_date(raw)
+            if day is None:
+                raise ValueError
+            moment = datetime.combine(day, time.min, tzinfo=UTC)
+    except ValueError:
+        raise BadRequest(
+            f"'{name}' must be a date (2026-11-23) or an RFC 3339 time (2026-11-23T10:00:00Z); got {raw[:40]!r}."
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment
+
+
+def usage_query(params) -> dict:
+    """Validate `from`, `to` (exclusive; default: the last 30 days up to now) and `groupBy`."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    group_by = params.get("groupBy", "agent")
+    if group_by not in USAGE_GROUPS:
+        raise BadRequest(f"groupBy must be one of: {', '.join(USAGE_GROUPS)} (got {group_by[:40]!r}).")
+    end = _usage_time("to", params["to"]) if params.get("to") else timezone.now()
+    try:
+        start = _usage_time("from", params["from"]) if params.get("from") else end - timedelta(days=30)
+    except OverflowError:
+        raise BadRequest("'to' is too early; give a date after 0001-01-31.") from None
+    if start >= end:
+        raise BadRequest("'from' must be before 'to' (which is exclusive).")
+    if end - start > timedelta(days=USAGE_MAX_DAYS):
+        raise BadRequest(f"Ask for at most {USAGE_MAX_DAYS} days at a time; split a longer range into several calls.")
+    return {"start": start, "end": end, "group_by": group_by}
+
+
+def _usage_numbers(row: dict) -> dict:
+    seconds = row["seconds"]
+    return {
+        "turns": row["turns"],
+        "promptTokens": row["prompt"] or 0,
+        "completionTokens": row["completion"] or 0,
+        "modelCalls": row["calls"] or 0,
+        "turnSeconds": round(seconds.total_seconds(), 3) if seconds else 0.0,
+    }
+
+
+def usage(tenant, *, start, end, group_by: str) -> dict:
+    """A tenant's turns created in [start, end): counts, model tokens and the time turns ran,
+    grouped by agent, session or UTC day. Turns of deleted sessions are gone with them."""
+    from datetime import UTC
+
+    from django.db.models import Count, DurationField, ExpressionWrapper, F, Sum
+    from django.db.models.functions import TruncDate
+
+    from .models import Turn
+
+    keys = {
+        "agent": F("session__agent__name"),
+        "session": F("session__public_id"),
+        "day": TruncDate("created_at", tzinfo=UTC),
+    }
+    sums = {
+        "turns": Count("id"),
+        "prompt": Sum("prompt_tokens"),
+        "completion": Sum("completion_tokens"),
+        "calls": Sum("model_calls"),
+        "seconds": Sum(ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())),
+    }
+    turns = Turn.objects.filter(session__tenant=tenant, created_at__gte=start, created_at__lt=end)
+    rows = list(turns.annotate(key=keys[group_by]).values("key").annotate(**sums).order_by("key")[: USAGE_MAX_ROWS + 1])
+    label = USAGE_GROUPS[group_by]
+    body = {
+        "from": start.isoformat().replace("+00:00", "Z"),
+        "to": end.isoformat().replace("+00:00", "Z"),
+        "groupBy": group_by,
+        "usage": [
+            {label: row["key"].isoformat() if group_by == "day" else row["key"], **_usage_numbers(row)}
+            for row in rows[:USAGE_MAX_ROWS]
+        ],
+        "total": _usage_numbers(turns.aggregate(**sums)),
+    }
+    if len(rows) > USAGE_MAX_ROWS:
+        body["truncated"] = True  # the total still counts every turn
+    return body
+
+
+def usage_by_tenant(*, start, end) -> list[dict]:
+    """Every tenant's turns created in [start, end) (the operator's view in the admin)."""
+    from django.db.models import Count, DurationField, ExpressionWrapper, F, Sum
+
+    from .models import Turn
+
+    rows = (
+        Turn.objects.filter(created_at__gte=start, created_at__lt=end)
+        .values(tenant=F("session__tenant__name"))
+        .annotate(
+            turns=Count("id"), prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"),
+            calls=Sum("model_calls"),
+            seconds=Sum(ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())),
+        )
+        .order_by("tenant")
+    )
+    return [{"tenant": row["tenant"], **_usage_numbers(row)} for row in rows]

@@ -18,7 +18,7 @@ from agents.models import Agent, AgentOption
 from agents.runtimes import runtime_for
 from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
 from agents.selectors import agent_definition, server_tool_specs
-from hosting import crypto
+from hosting import crypto, metrics
 from hosting.errors import BadRequest, Conflict, NotFound, describe_failure
 from hosting.logs import bind_log_context
 
@@ -416,6 +416,7 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         # with Redis unreachable this raises, the transaction rolls back and nothing is stored.
         events.backend().publish_sync(turn.id, 1, {"event": "turn_start", "_meta": {"turnId": turn.id}})
         transaction.on_commit(lambda: dispatch.dispatch(turn.id, node=node))
+    metrics.turn_started(agent=agent.name, tenant=tenant.name, stream=mode)
     return turn
 
 
@@ -775,6 +776,7 @@ def _finalize_if_lost(turn: Turn, session: Session) -> bool:
 
     transaction.on_commit(publish_end)
     logger.warning("turn %s was lost (%s); ended with error", turn.id, turn.status)
+    metrics.turn_lost(turn.status)
     turn.status = Turn.DONE
     return True
 

@@ -17,6 +17,7 @@ import time
 from django.conf import settings
 from django.http import HttpResponse
 
+from hosting import metrics
 from hosting.authentication import token_is_active
 from hosting.handlers import on_web_threads
 
@@ -181,6 +182,7 @@ class TurnStreamHandoff:
         turn_id, mode, after, token = handoff["spec"].split(" ")
         token_id = int(token) or None
         body = json_result(turn_id, token_id) if mode == "none" else sse_stream(turn_id, int(after), token_id)
+        body = metrics.relayed(body, mode=mode, after=int(after))
         await send(handoff["start"])
         # An empty chunk makes the server write the head now (Twisted waits for body bytes), so
         # every client has `AAP-Turn-Id` at once, `stream: "none"` included.

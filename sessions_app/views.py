@@ -204,3 +204,20 @@ class TurnCancelView(APIView):
     def post(self, request, session_id, turn_id):
         turn = services.turn_cancel(tenant=request.user.tenant, session_id=session_id, turn_id=turn_id)
         return Response({"turnId": turn.id, "cancelling": turn.status != Turn.DONE}, status=status.HTTP_202_ACCEPTED)
+
+
+class UsageView(APIView):
+    """`GET /v1/usage` (an extension): the calling tenant's own usage."""
+
+    @extend_schema(
+        summary="Your usage: turns, model tokens and turn time",
+        parameters=[
+            OpenApiParameter("from", OpenApiTypes.STR, description="Date or RFC 3339 time (default: 30 days before `to`)."),
+            OpenApiParameter("to", OpenApiTypes.STR, description="Exclusive end, date or RFC 3339 time (default: now)."),
+            OpenApiParameter("groupBy", OpenApiTypes.STR, enum=list(selectors.USAGE_GROUPS)),
+        ],
+        responses={200: OpenApiTypes.OBJECT, **ERRORS},
+    )
+    def get(self, request):
+        query = selectors.usage_query(request.query_params)
+        return Response(selectors.usage(request.user.tenant, **query))

@@ -8,6 +8,9 @@ on PostgreSQL and Redis at REDIS_URL. `embedded_stack`: Daphne alone, no Redis, 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -60,7 +63,9 @@ def pg_stack(django_db_setup, django_db_blocker, log_dir, tmp_path_factory):
     redis.Redis.from_url(redis_url).ping()
     parts = urlsplit(database_url)
     test_db_url = urlunsplit(parts._replace(path="/" + connection.settings_dict["NAME"]))
-    workspaces = tmp_path_factory.mktemp("workspaces")
+    # Not under pytest's temporary root, which any starting pytest run makes 0700 again:
+    # sandboxed agents run as uids of their own and must traverse to their workspaces.
+    workspaces = Path(tempfile.mkdtemp(prefix="aap-workspaces-"))
     stack = Stack(
         "pg", {**TEST_ENV, "DATABASE_URL": test_db_url, "REDIS_URL": redis_url, "AAP_WORKSPACE_ROOT": str(workspaces)},
         log_dir,
@@ -72,11 +77,12 @@ def pg_stack(django_db_setup, django_db_blocker, log_dir, tmp_path_factory):
         yield stack
     finally:
         stack.stop()
+        shutil.rmtree(workspaces, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def embedded_stack(tmp_path_factory, log_dir):
-    var = tmp_path_factory.mktemp("embedded-var")
+    var = Path(tempfile.mkdtemp(prefix="aap-embedded-var-"))  # see pg_stack's workspaces
     stack = Stack(
         "embedded",
         {**TEST_ENV, "DATABASE_URL": "", "REDIS_URL": "", "HOSTING_VAR_DIR": str(var),
@@ -90,6 +96,7 @@ def embedded_stack(tmp_path_factory, log_dir):
         yield stack
     finally:
         stack.stop()
+        shutil.rmtree(var, ignore_errors=True)
 
 
 @pytest.fixture(params=["pg", "embedded"])

@@ -27,10 +27,11 @@ import uuid
 from dataclasses import dataclass
 
 import acp
+from django.conf import settings
 
 from aap.messages import denial_text
 
-from .acp_bridge import routing, workspace
+from .acp_bridge import limits, routing, sandbox, workspace
 from .acp_bridge.process import AgentProcess, ProcessSpec
 from .acp_bridge.session import AcpSession, CallState, PermissionWaiter, Prompt
 from .acp_bridge.terminals import Terminals
@@ -90,6 +91,11 @@ class _Config:
     terminal_timeout: float
     terminal_output_bytes: int
     max_file_bytes: int
+    isolation: str
+    egress: tuple[str, ...]
+    limits: limits.Limits
+    read_paths: tuple[str, ...]
+    unsafe: bool
 
     @classmethod
     def parse(cls, config: dict) -> _Config:
@@ -106,6 +112,11 @@ class _Config:
             terminal_timeout=float(config.get("terminalTimeoutSeconds", 120)),
             terminal_output_bytes=int(config.get("terminalOutputBytes", 64 * 1024)),
             max_file_bytes=int(config.get("maxFileBytes", 1024 * 1024)),
+            isolation=config.get("isolation", "session"),
+            egress=tuple(config.get("egress") or ()),
+            limits=limits.Limits.parse(config.get("limits")),
+            read_paths=tuple(config.get("readPaths") or ()),
+            unsafe=bool(config.get("unsafeWithoutSandbox", False)),
         )
 
 
@@ -115,8 +126,9 @@ def _tool_input(raw) -> dict:
     return {} if raw is None else {"value": raw}
 
 
-def _tool_text(state: CallState, failed: bool) -> str:
-    """A tool call's ACP content as the text of its AAP tool_result."""
+def _tool_text(state: CallState, status: str | None) -> str:
+    """A tool call's ACP content as the text of its AAP tool_result, saying what happened: a
+    diff is an edit only when the call completed; a failed or unfinished call says so."""
     parts = []
     for item in state.content or []:
         if item.type == "content":
@@ -128,14 +140,18 @@ def _tool_text(state: CallState, failed: bool) -> str:
             else:
                 parts.append(f"[{block.type}]")
         elif item.type == "diff":
-            parts.append(f"Edited {item.path}")
+            parts.append(f"Edited {item.path}" if status == "completed" else f"Proposed edit to {item.path} (not applied)")
         elif item.type == "terminal":
             parts.append(f"[terminal {item.terminal_id}]")
     text = "\n".join(parts)
     if not text and state.raw_output is not None:
         raw = state.raw_output
         text = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False)
-    return text or ("Tool call failed." if failed else "Tool call completed.")
+    if status == "failed":
+        return f"Tool call failed: {text}" if text else "Tool call failed."
+    if status != "completed":
+        return f"The tool call ended without a result. {text}".strip()
+    return text or "Tool call completed."
 
 
 def _data_uri(url: str) -> tuple[str, str]:
@@ -197,6 +213,13 @@ class AcpRuntime(Runtime):
             "terminalTimeoutSeconds": {"type": "number", "exclusiveMinimum": 0},
             "terminalOutputBytes": {"type": "integer", "minimum": 1},
             "maxFileBytes": {"type": "integer", "minimum": 1},
+            # The sandbox (docs/acp-agents.md): who shares a process and a uid, where it may connect,
+            # its limits, what else it may read, and the explicit opt-out.
+            "isolation": {"enum": ["session", "tenant"]},
+            "egress": sandbox.EGRESS_SCHEMA,
+            "limits": limits.LIMITS_SCHEMA,
+            "readPaths": {"type": "array", "items": {"type": "string", "pattern": "^/"}},
+            "unsafeWithoutSandbox": {"type": "boolean"},
         },
     }
 
@@ -208,6 +231,7 @@ class AcpRuntime(Runtime):
         self._holds = routing.Holds()
         self._background: list[asyncio.Task] = []
         atexit.register(self._kill_all)
+        sandbox.harden_host()  # before any agent runs: nothing may read this process's memory
 
     # --- the registry's view ------------------------------------------------------------
 
@@ -289,7 +313,7 @@ class AcpRuntime(Runtime):
             if update.raw_output is not None:
                 state.raw_output = update.raw_output
             if update.status in ("completed", "failed") and not state.resolved:
-                await self._result(ctx, state, _tool_text(state, update.status == "failed"))
+                await self._result(ctx, state, _tool_text(state, update.status))
         # plan, available_commands_update, current_mode_update, user_message_chunk and the
         # other session updates have no AAP event: they are skipped, never an error.
 
@@ -376,6 +400,9 @@ class AcpRuntime(Runtime):
             raise AgentError(f"The agent failed the prompt (JSON-RPC error {result.code}).")
         if isinstance(result, BaseException):
             raise AgentError(await session.process.explain())
+        breach = await session.process.check_limits()
+        if breach:
+            raise AgentError(breach)
         reason = result.stop_reason
         if reason == "cancelled":
             ctx.set_stop_meta(cancelled=True)
@@ -387,8 +414,7 @@ class AcpRuntime(Runtime):
         """Give every shown tool call a result, so no tool_use is left dangling in history."""
         for state in prompt.calls.values():
             if not state.resolved:
-                content = _tool_text(state, False) if state.content else "The tool call ended without a result."
-                await self._result(ctx, state, content)
+                await self._result(ctx, state, _tool_text(state, None))
 
     async def _hung(self, session: AcpSession, cfg: _Config) -> str:
         reason = f"The agent sent nothing for {cfg.hang:g} seconds while working; its process was stopped."
@@ -432,19 +458,40 @@ class AcpRuntime(Runtime):
     # --- sessions and processes -----------------------------------------------------------
 
     def _spec(self, ctx: TurnContext, cfg: _Config) -> ProcessSpec:
+        try:
+            return self._build_spec(ctx, cfg)
+        except ValueError as exc:  # a tenant or session id that cannot name a directory
+            raise AgentError(f"The session's workspace cannot be created ({type(exc).__name__}).") from None
+
+    def _build_spec(self, ctx: TurnContext, cfg: _Config) -> ProcessSpec:
         option_env = {
             route["env"]: ctx.options[name]
             for name, route in cfg.options.items()
             if "env" in route and ctx.options.get(name)
         }
-        identity = json.dumps([ctx.tenant, ctx.agent_name, ctx.config, option_env], sort_keys=True)
+        per_session = cfg.isolation == "session"
+        # The isolation unit is a process: a session's own, or one a tenant's sessions share.
+        identity = json.dumps([ctx.tenant, ctx.agent_name, ctx.config, option_env,
+                               ctx.session_id if per_session else None], sort_keys=True)
         key = hashlib.sha256(identity.encode()).hexdigest()
+        if per_session:
+            home = workspace.session_home(ctx.tenant, ctx.session_id, ctx.agent_name)
+            unit = sandbox.unit_name("session", ctx.tenant, ctx.session_id)
+            writable = (workspace.workspace_path(ctx.tenant, ctx.session_id), home)
+        else:
+            home = workspace.agent_home(ctx.tenant, ctx.agent_name)
+            unit = sandbox.unit_name("tenant", ctx.tenant, key[:16])
+            writable = (workspace.tenant_path(ctx.tenant),)
+        box = None if cfg.unsafe else sandbox.SandboxSpec(
+            unit=unit, writable=writable, read_paths=cfg.read_paths, egress=cfg.egress, limits=cfg.limits,
+        )
         return ProcessSpec(
             key=key,
             label=f"{ctx.agent_name}/{ctx.tenant}/{key[:8]}",
             argv=cfg.command,
             env={**cfg.env, **option_env},
-            home=workspace.agent_home(ctx.tenant, ctx.agent_name),
+            home=home,
+            sandbox=box,
             terminal=cfg.terminal,
             start_timeout=cfg.start_timeout,
             max_file_bytes=cfg.max_file_bytes,
@@ -491,6 +538,7 @@ class AcpRuntime(Runtime):
     async def _open_session(self, ctx: TurnContext, cfg: _Config, process: AgentProcess) -> AcpSession:
         try:
             path = workspace.ensure_dir(workspace.workspace_path(ctx.tenant, ctx.session_id))
+            await process.own(path)
         except (ValueError, OSError) as exc:
             raise AgentError(f"The session's workspace cannot be created ({type(exc).__name__}).") from None
         previous = await routing.recall_acp_session(ctx.session_id, self._acp_ids)
@@ -513,7 +561,8 @@ class AcpRuntime(Runtime):
             acp_id = response.session_id
         session = AcpSession(
             aap_id=ctx.session_id, tenant=ctx.tenant, acp_id=acp_id, workspace=path, process=process,
-            terminals=Terminals(path, timeout=cfg.terminal_timeout, max_output=cfg.terminal_output_bytes),
+            terminals=Terminals(path, timeout=cfg.terminal_timeout, max_output=cfg.terminal_output_bytes,
+                                confine=process.confined),
             permission_timeout=cfg.permission_timeout,
         )
         session.config_ids = {option.id for option in getattr(response, "config_options", None) or []}
@@ -591,12 +640,19 @@ class AcpRuntime(Runtime):
 
     async def on_session_deleted(self, *, session_id: str, tenant: str, config: dict) -> None:
         await self._drop(session_id)
+        with contextlib.suppress(ValueError):
+            unit = sandbox.unit_name("session", tenant, session_id)
+            for key, process in list(self._processes.items()):
+                if process.spec.sandbox is not None and process.spec.sandbox.unit == unit:
+                    self._processes.pop(key, None)
+                    await process.stop("The session was deleted.", kill=True)
         with contextlib.suppress(Exception):
             await routing.announce_deleted(session_id)
         with contextlib.suppress(Exception):
             await routing.forget_acp_session(session_id, self._acp_ids)
         try:
             await asyncio.to_thread(workspace.remove_workspace, tenant, session_id)
+            await asyncio.to_thread(sandbox.release_unit, sandbox.unit_name("session", tenant, session_id))
         except ValueError:
             pass
 
@@ -608,6 +664,7 @@ class AcpRuntime(Runtime):
         loop = asyncio.get_running_loop()
         self._background = [
             loop.create_task(self._reap_forever()),
+            loop.create_task(self._watch_limits_forever()),
             loop.create_task(routing.listen_deleted(self._on_deleted_elsewhere)),
         ]
 
@@ -623,6 +680,24 @@ class AcpRuntime(Runtime):
             except Exception as exc:
                 logger.warning("reaping ACP agents failed: %s", type(exc).__name__)
 
+    async def _watch_limits_forever(self) -> None:
+        """Check every sandboxed unit against its limits: one pass over /proc per interval for
+        all of them; disk use every interval for units in a turn, every fifth for idle ones."""
+        interval = settings.AAP_SANDBOX_MONITOR_SECONDS
+        tick = 0
+        while True:
+            await asyncio.sleep(interval)
+            tick += 1
+            watched = [p for p in self._processes.values() if p.alive and p.spec.sandbox is not None]
+            if not watched:
+                continue
+            try:
+                snap = await asyncio.to_thread(limits.snapshot)
+                for process in watched:
+                    await process.check_limits(snap, disk=bool(process.users) or tick % 5 == 0)
+            except Exception as exc:
+                logger.warning("checking ACP agents against their limits failed: %s", type(exc).__name__)
+
     async def _reap(self) -> None:
         now = time.monotonic()
         for session_id, session in list(self._sessions.items()):
@@ -633,6 +708,8 @@ class AcpRuntime(Runtime):
                 await self._drop(session_id)  # an undelivered prompt nobody came back for
         for key, process in list(self._processes.items()):
             sessions = list(process.sessions.values())
+            if process.starting:  # not alive yet: starting in its sandbox, claimed by its turn
+                continue
             if not process.alive:
                 self._processes.pop(key, None)
                 continue

@@ -27,6 +27,7 @@ import openai
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from aap.messages import content_images, content_text, fold, image_kind
+from hosting import tracing
 
 from ..netguard import AddressRefused, GuardedTransport, NonPublicAddress, checked_address
 from .base import AgentError, Compaction, Runtime, StopReason, ToolCall, TurnContext, new_tool_call_id
@@ -286,6 +287,7 @@ class OpenAIRuntime(Runtime):
             request.update(config["extraBody"])
         return request
 
+    @tracing.model_call
     async def _call(self, turn: _Turn, tools: list[dict]) -> _Reply:
         """One streamed model call: deltas are emitted as they come, tool calls joined per index."""
         reply = _Reply()

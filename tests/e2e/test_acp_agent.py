@@ -8,7 +8,6 @@ import hashlib
 import os
 import re
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -21,17 +20,20 @@ from .turns import MODES, LiveTurn, checked_turn, deltas, numbered_calls, text_r
 
 TOOL_KINDS = ["read", "edit", "delete", "move", "search", "execute", "think", "fetch", "switch_mode", "other"]
 OPERATOR_SECRET = "sk-acp-operator-secret-0001"
-FAKE = [sys.executable, "-m", "tests.fakes.acp_agent"]
+# By bare name, as an operator would: `python` is found on the sandbox's PATH (the service's own
+# environment), and the script's directory is the agent's installation (readPaths).
+FAKE = ["python", str(ROOT / "tests" / "fakes" / "acp_agent.py")]
+FAKE_INSTALL = [str(ROOT / "tests" / "fakes")]
 STREAMS = {"history": {"compacted": {}, "full": {}}, "stream": {"delta": {}, "message": {}, "none": {}}}
 
 
 def fake_agent(name: str, **config) -> dict:
-    env = {"PYTHONPATH": str(ROOT), **config.pop("env", {})}
+    env = dict(config.pop("env", {}))
     return {
         "name": name,
         "title": f"Scripted ACP agent {name}",
         "runtime": {"kind": "acp", "config": {
-            "command": FAKE, "env": env,
+            "command": FAKE, "env": env, "readPaths": FAKE_INSTALL,
             "options": {"model": {"configOption": "model"}, "apiKey": {"env": "FAKE_API_KEY"}},
             **config,
         }},
@@ -48,6 +50,7 @@ AGENTS = [
     fake_agent("acp-quick", permissionTimeoutSeconds=2, hangTimeoutSeconds=3),
     fake_agent("acp-terminal", terminal=True, terminalTimeoutSeconds=2),
     fake_agent("acp-loader", env={"FAKE_ACP_LOAD_SESSION": "1"}, idleSeconds=2),
+    fake_agent("acp-shared", isolation="tenant"),
 ]
 _applied: set[str] = set()
 
@@ -153,6 +156,16 @@ def test_text_and_thoughts_stream_in_every_mode(client):
     ]}]
     assert deltas(results["delta"], "thinking") == ["thinking ", "about: ", "deep ", "waters"]
     assert results["message"].names == ["turn_start", "thinking", "text", "turn_stop"]
+
+
+def test_a_tool_call_the_agent_reports_failed_is_recorded_as_failed_not_as_an_edit(client):
+    session = session_of(client)
+    result = checked_turn(client, session, user("/failedit notes.txt"))
+    assert result.stop_reason == "end_turn"
+    assert tool_results(result) == ["Tool call failed: Permission denied by the user."]
+    stored = [m for m in client.history(session) if m["role"] == "tool"]
+    assert [m["content"] for m in stored] == ["Tool call failed: Permission denied by the user."]
+    assert "Edited" not in str(client.history(session))
 
 
 def test_a_tool_call_and_its_updates_become_tool_call_and_tool_result(client):
@@ -365,9 +378,36 @@ def test_session_delete_removes_the_workspace_and_drops_a_waiting_prompt(pg, cli
     assert home.is_dir()
     assert client.delete(f"/v1/sessions/{session}").status_code == 204
     assert not home.exists()
+    # The session was its agent process's isolation unit: the process went with it.
+    wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=10)
     other = session_of(client)
-    assert agent_pid(client, other) == pid  # the shared process lives on for other sessions
+    assert agent_pid(client, other) != pid
     assert not home.exists()
+
+
+def test_each_session_has_its_own_agent_process_unless_the_operator_shares_them_per_tenant(pg, client, other):
+    def owner(client, session):
+        pid = agent_pid(client, session)
+        return pid, Path(f"/proc/{pid}").stat().st_uid
+
+    first, second = session_of(client), session_of(client)
+    (pid1, uid1), (pid2, uid2) = owner(client, first), owner(client, second)
+    assert pid1 != pid2
+    if os.geteuid() == 0:  # the service runs as root here: each unit runs as a uid of its own
+        assert uid1 != uid2 and 0 not in (uid1, uid2)
+    shared = [session_of(client, "acp-shared") for _ in range(2)]
+    (pid3, uid3), (pid4, uid4) = (owner(client, s) for s in shared)
+    assert (pid3, uid3) == (pid4, uid4)
+    theirs = session_of(other, "acp-shared")
+    pid5, uid5 = owner(other, theirs)
+    assert pid5 != pid3  # never across tenants
+    if os.geteuid() == 0:
+        assert uid5 != uid3
+        tenant_dir = workspace(pg, first).parent.stat()
+        assert (tenant_dir.st_uid, tenant_dir.st_mode & 0o777) == (0, 0o711)  # the service's, traversable only
+        assert workspace(pg, shared[0]).stat().st_uid == uid3
+        assert workspace(pg, first).stat().st_uid == uid1
+    owner(client, session_of(client))  # a session's own process still starts beside the shared one
 
 
 def test_secret_options_reach_only_the_process_environment(pg, client, log_dir, db_access):

@@ -1,85 +1,61 @@
-"""Agentao (from PyPI, `agentao --acp`) hosted as an AAP agent, end to end, with its model
-provider faked by the scripted OpenAI-compatible server on 127.0.0.1."""
+"""Agentao (from PyPI, `agentao --acp`) hosted as an AAP agent, end to end, inside the ACP
+sandbox, with its model provider faked by the scripted OpenAI-compatible server on 127.0.0.1
+(its only allowed egress)."""
 
 from __future__ import annotations
 
 import json
-import socket
-import sys
-import threading
+import os
+import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
 from tests.fakes.openai_server import FakeOpenAI
+from tests.support import ROOT
 
 from .test_acp_agent import answer, session_of, workspace
 from .turns import MODES, checked_turn, user
 
-AGENTAO = str(Path(sys.executable).parent / "agentao")
 API_KEY = "sk-agentao-key-for-tests-0001"
 
 
-class Tripwire:
-    """A local 'proxy' that records every connection and serves none: Agentao's route to
-    anything but 127.0.0.1 (HTTP_PROXY / HTTPS_PROXY / ALL_PROXY), so any attempt is seen."""
-
-    def __init__(self):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.attempts: list[bytes] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(2)
-                try:
-                    self.attempts.append(conn.recv(200))
-                except OSError:
-                    self.attempts.append(b"")
+def agent_config(server: FakeOpenAI, **extra) -> dict:
+    endpoint = urlsplit(server.url)
+    if os.environ.get("AAP_TEST_SANDBOX_OFF") == "1":  # the operator's opt-out: shows what the sandbox stops
+        extra.setdefault("unsafeWithoutSandbox", True)
+    return {
+        # The bare name, as examples/agents/agentao.yaml has it: found on the sandbox's PATH.
+        "command": ["agentao", "--acp"],
+        "env": {"LLM_PROVIDER": "openai", "OPENAI_BASE_URL": server.url},
+        "egress": [f"{endpoint.hostname}:{endpoint.port}"],
+        "options": {"model": {"env": "OPENAI_MODEL"}, "apiKey": {"env": "OPENAI_API_KEY"}},
+        "hangTimeoutSeconds": 60,
+        **extra,
+    }
 
 
-@pytest.fixture(scope="module")
-def tripwire():
-    wire = Tripwire()
-    yield wire
-    wire.sock.close()
-
-
-@pytest.fixture(scope="module")
-def fake(pg_stack, tmp_path_factory, tripwire):
-    server = FakeOpenAI().start()
-    home = tmp_path_factory.mktemp("agentao-home")
-    # Agentao's own permission rules: ask before writing files (its default allows writes).
-    (home / ".agentao").mkdir()
-    (home / ".agentao" / "permissions.json").write_text(json.dumps({"rules": [{"tool": "write_file", "action": "ask"}]}))
-    agent = {
-        "name": "agentao",
+def agentao(name: str, server: FakeOpenAI, **extra) -> dict:
+    return {
+        "name": name,
         "title": "Agentao",
-        "runtime": {"kind": "acp", "config": {
-            "command": [AGENTAO, "--acp"],
-            "env": {"LLM_PROVIDER": "openai", "OPENAI_BASE_URL": server.url, "HOME": str(home),
-                    "HTTP_PROXY": tripwire.url, "HTTPS_PROXY": tripwire.url, "ALL_PROXY": tripwire.url,
-                    "NO_PROXY": "127.0.0.1,localhost"},
-            "options": {"model": {"env": "OPENAI_MODEL"}, "apiKey": {"env": "OPENAI_API_KEY"}},
-            "hangTimeoutSeconds": 60,
-        }},
+        "runtime": {"kind": "acp", "config": agent_config(server, **extra)},
         "options": [
             {"type": "text", "name": "model", "default": "fake-model"},
             {"type": "secret", "name": "apiKey", "default": API_KEY},
         ],
         "capabilities": {"history": {"compacted": {}, "full": {}}, "stream": {"delta": {}, "message": {}, "none": {}}},
     }
+
+
+@pytest.fixture(scope="module")
+def fake(pg_stack, tmp_path_factory):
+    server = FakeOpenAI().start()
     path = tmp_path_factory.mktemp("agentao-agents") / "agents.yaml"
-    path.write_text(yaml.safe_dump({"agents": [agent]}))
+    path.write_text(yaml.safe_dump({"agents": [agentao("agentao", server)]}))
     pg_stack.manage("apply_agents", str(path))
-    server.home = home
     yield server
     server.stop()
 
@@ -90,6 +66,18 @@ def client(pg_stack, fake):
     client = pg_stack.client("demo")
     yield client
     client.close()
+
+
+def agent_home(stack, session: str, tenant: str = "demo") -> Path:
+    """The HOME the service gives a session's own Agentao process."""
+    return workspace(stack, session, tenant).parent / ".session-homes" / session / "agentao"
+
+
+def ask_before_writing(stack, session: str) -> None:
+    # Agentao's own permission rules live in its HOME: ask before writing files.
+    rules = agent_home(stack, session) / ".agentao"
+    rules.mkdir(parents=True)
+    (rules / "permissions.json").write_text(json.dumps({"rules": [{"tool": "write_file", "action": "ask"}]}))
 
 
 def test_agentao_answers_a_turn_in_every_mode(fake, client):
@@ -117,6 +105,7 @@ def test_agentao_asks_permission_to_write_a_file_and_the_grant_writes_it(pg_stac
         FakeOpenAI.text("I wrote notes.txt."),
     )
     session = session_of(client, "agentao", tools=[{"name": "edit"}])
+    ask_before_writing(pg_stack, session)
     first = checked_turn(client, session, user("write a note"), stream="delta")
     assert first.stop_reason == "tool_use"
     [call] = first.tool_calls()
@@ -136,16 +125,112 @@ def test_agentao_asks_permission_to_write_a_file_and_the_grant_writes_it(pg_stac
     assert last[-1]["role"] == "tool"  # the model saw the tool's result: the same prompt went on
 
 
-def test_agentao_keeps_its_state_in_the_workspace_and_its_home_and_never_leaves_127_0_0_1(
-    pg_stack, fake, client, tripwire
-):
+def test_agentao_keeps_its_state_in_the_workspace_and_the_home_the_service_gives_it(pg_stack, fake, client):
     real_home = Path.home() / ".agentao"
     existed = real_home.exists()
     session = session_of(client, "agentao")
     fake.enqueue(FakeOpenAI.text("ok"))
     assert checked_turn(client, session, user("hello")).stop_reason == "end_turn"
     assert (workspace(pg_stack, session) / ".agentao").is_dir()
-    assert (fake.home / ".agentao" / "memory.db").exists()
+    assert (agent_home(pg_stack, session) / ".agentao" / "memory.db").exists()
     assert real_home.exists() is existed
     assert all(r["path"].startswith("/v1/") for r in fake.requests)
-    assert tripwire.attempts == []  # no request for anywhere but the fake model server
+
+
+def test_the_attack_chain_replayed_with_agentao_gets_nothing(pg_stack, fake, client, other):
+    """What a tenant once got by letting Agentao run its tools: other tenants' keys, the key
+    files, the worker's environment, PostgreSQL and Redis, writes outside the workspace, a
+    dead worker. Every output Agentao's tools produced went to the (fake) model: nothing of it
+    may carry any of those."""
+    other_key = "sk-other-tenant-" + uuid.uuid4().hex
+    fake.enqueue(FakeOpenAI.text("ok"))
+    theirs = session_of(other, "agentao", options={"apiKey": other_key})
+    assert checked_turn(other, theirs, user("hello")).stop_reason == "end_turn"
+    their_pid = min(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _environ_has(p, other_key))
+
+    var = Path(os.environ.get("HOSTING_VAR_DIR", ROOT / "var"))
+    var.mkdir(parents=True, exist_ok=True)
+    key = var / f"encryption_key-probe-{uuid.uuid4().hex[:8]}"
+    key.write_text("fernet-key-material-" + uuid.uuid4().hex)
+    key.chmod(0o600)
+    escape = Path("/tmp") / f"escape-{uuid.uuid4().hex}"
+    redis = urlsplit(pg_stack.env["REDIS_URL"])
+    connect = ("import socket\nfor port in (5432, %d, %d):\n    try:\n        socket.create_connection(('127.0.0.1', port), 5)"
+               "\n        print('CONN' + 'ECTED', port)\n    except OSError as exc:\n        print('no', port, exc)\n"
+               % (redis.port, urlsplit(pg_stack.base_url).port))
+    script = (
+        "W=$(cut -d' ' -f4 /proc/$PPID/stat); echo uid=$(id -u); cat /etc/shadow; "
+        f"cat {key}; cat /proc/{their_pid}/environ; cat /proc/$W/environ; env; "
+        f"printf '%s' \"{connect}\" > probe.py; python probe.py; "
+        f"echo escaped > {escape}; kill -9 $W; echo done"
+    )
+    workspace_root = workspace(pg_stack, "x").parent.parent
+    fake.enqueue(
+        FakeOpenAI.tool_calls([
+            {"name": "read_file", "arguments": json.dumps({"file_path": "/etc/shadow"})},
+            {"name": "read_file", "arguments": json.dumps({"file_path": str(key)})},
+            {"name": "list_directory", "arguments": json.dumps({"path": str(workspace_root)})},
+            {"name": "run_shell_command", "arguments": json.dumps({"command": script})},
+        ]),
+        FakeOpenAI.text("I tried."),
+    )
+    try:
+        # The tenant enables and trusts every kind: it is the application answering permissions.
+        mine = session_of(client, "agentao", tools=[{"name": kind, "trust": True} for kind in
+                                                     ("read", "search", "execute", "edit", "other")])
+        result = checked_turn(client, mine, user("collect everything"))
+        assert result.stop_reason == "end_turn", result.body
+        seen = json.dumps(fake.chat_requests()[-1]["json"]["messages"]) + json.dumps(client.history(mine))
+        assert "uid=" in seen and "done" in seen  # the shell ran, as the agent's own tool
+        assert "uid=0" not in seen
+        assert other_key not in seen
+        assert key.read_text() not in seen
+        assert "root:" not in seen
+        for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "HOSTING_ENCRYPTION_KEYS"):
+            assert name not in seen
+        assert "CONNECTED" not in seen
+        assert theirs not in seen  # the workspace root's listing was refused
+        assert not escape.exists()
+        assert pg_stack.worker.poll() is None  # the worker lives
+        fake.enqueue(FakeOpenAI.text("still here"))
+        assert checked_turn(client, mine, user("hello again")).stop_reason == "end_turn"
+    finally:
+        key.unlink()
+        escape.unlink(missing_ok=True)
+
+
+def _environ_has(proc: Path, value: str) -> bool:
+    try:
+        return value.encode() in (proc / "environ").read_bytes()
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def other(pg_stack, fake):
+    client = pg_stack.client("other")
+    yield client
+    client.close()
+
+
+def test_the_agentao_example_works_as_shipped_with_its_bare_command(pg_stack, fake, client, tmp_path):
+    """examples/agents/agentao.yaml as an operator applies it, pointed at the fake provider:
+    `agentao` is found on the sandbox's PATH (the service's environment), in its sandbox."""
+    [example] = yaml.safe_load((ROOT / "examples" / "agents" / "agentao.yaml").read_text())["agents"]
+    assert example["runtime"]["config"]["command"] == ["agentao", "--acp"]
+    example["name"] = "agentao-example"
+    config = example["runtime"]["config"]
+    config["env"]["OPENAI_BASE_URL"] = fake.url
+    config["egress"] = agent_config(fake)["egress"]
+    example["options"] = [{**option, "default": {"model": "fake-model", "apiKey": API_KEY}[option["name"]]}
+                          for option in example["options"]]
+    for option in example["options"]:
+        option.pop("defaultEnv")
+    path = tmp_path / "agents.yaml"
+    path.write_text(yaml.safe_dump({"agents": [example]}))
+    pg_stack.manage("apply_agents", str(path))
+    fake.enqueue(FakeOpenAI.text("Hello from the example"))
+    session = session_of(client, "agentao-example")
+    result = checked_turn(client, session, user("hello"))
+    assert result.stop_reason == "end_turn", result.body
+    assert result.messages == [{"role": "assistant", "content": [{"type": "text", "text": "Hello from the example"}]}]

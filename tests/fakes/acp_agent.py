@@ -22,6 +22,8 @@ Run it as `python -m tests.fakes.acp_agent`. The prompt text drives it:
     /garbage              -> writes a line that is not JSON to stdout, then hangs
     /env VAR              -> "VAR=<first 12 hex of sha256(value)>" or "VAR=unset"
     /pid                  -> "pid=<process id>"
+    /sh CMD               -> runs `/bin/sh -c CMD` in cwd; one message "exit=N\n<output>"
+    /failedit PATH        -> an `edit` tool call with a diff that the agent reports as failed
     /whoami               -> session id, model option, loaded flag, MCP server names, cwd
 
 FAKE_ACP_LOAD_SESSION=1 makes it declare `loadSession`.
@@ -311,6 +313,31 @@ class FakeAgent:
         value = os.environ.get(name)
         digest = hashlib.sha256(value.encode()).hexdigest()[:12] if value else "unset"
         await self._say(session, f"{name}={digest}")
+
+    async def _cmd_sh(self, session, rest):
+        # Runs whatever the test scripts, as the agent's own tools would: the sandbox must hold.
+        process = await asyncio.create_subprocess_exec(
+            "/bin/sh", "-c", rest, cwd=session.cwd, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )
+        try:
+            output, _ = await asyncio.wait_for(process.communicate(), 60)
+        except TimeoutError:
+            process.kill()
+            output = b"(timed out)"
+        text = output.decode("utf-8", errors="replace")[-20000:]
+        await self.conn.session_update(session.id, acp.update_agent_message_text(f"exit={process.returncode}\n{text}"))
+
+    async def _cmd_failedit(self, session, rest):
+        # An edit the agent itself reports as failed (as Agentao does for a refused write).
+        path = self._path(session, rest.strip() or "refused.txt")
+        call_id = f"tool_{uuid.uuid4().hex[:6]}"
+        diff = schema.FileEditToolCallContent(type="diff", path=path, old_text=None, new_text="new text")
+        await self.conn.session_update(session.id, acp.start_tool_call(
+            call_id, "write_file", kind="edit", status="pending", raw_input={"path": path}, content=[diff]))
+        await self.conn.session_update(session.id, acp.update_tool_call(
+            call_id, status="failed", content=[acp.tool_content(acp.text_block("Permission denied by the user."))]))
+        await self._say(session, "not written")
 
     async def _cmd_pid(self, session, rest):
         await self._say(session, f"pid={os.getpid()}")

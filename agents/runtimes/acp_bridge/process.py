@@ -1,9 +1,12 @@
-"""An ACP agent process: spawned, initialized, served (the client side of ACP), and stopped.
+"""An ACP agent process: spawned in its sandbox, initialized, served (the client side of
+ACP), watched against its limits, and stopped.
 
-The process gets a trimmed environment (acp.default_environment()), its HOME, the operator's
-static environment and the options routed to environment variables — secrets travel only
-there, never in argv. It runs in its own process group so stopping it also stops whatever
-it spawned. Its stdout must carry ACP JSON-RPC only: any other line ends the connection.
+The process gets an environment built from scratch (sandbox.environment()), its HOME, the
+operator's static environment and the options routed to environment variables — secrets
+travel only there, never in argv. It is started through the sandbox launcher (see
+sandbox.py), in its own session and process group, as its isolation unit's uid when the
+service runs as root. Its stdout must carry ACP JSON-RPC only: any other line ends the
+connection.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from acp._transport import NdjsonTransport
 from acp.task import MessageSender, TaskSupervisor
 
 from agents.runtimes.base import AgentError
+from hosting import metrics
 
-from . import workspace
+from . import limits, sandbox, workspace
+from .egress import EgressProxy
 from .session import AcpSession
 
 logger = logging.getLogger("agents.runtimes.acp")
@@ -52,6 +57,7 @@ class ProcessSpec:
     max_file_bytes: int = 1024 * 1024
     terminal_timeout: float = 120.0
     terminal_output_bytes: int = 64 * 1024
+    sandbox: sandbox.SandboxSpec | None = field(default=None, hash=False, compare=False)  # None: unsafe opt-out
 
     def redact(self, text: str) -> str:
         for value in self.env.values():
@@ -143,7 +149,8 @@ class BridgeClient:
     async def write_text_file(self, session_id, path, content, **kwargs):
         async with self._serving(session_id) as session:
             await asyncio.to_thread(
-                workspace.write_text, session.workspace, path, content, max_bytes=self._process.spec.max_file_bytes
+                workspace.write_text, session.workspace, path, content, max_bytes=self._process.spec.max_file_bytes,
+                owner=self._process.uid,
             )
         return schema.WriteTextFileResponse()
 
@@ -178,6 +185,13 @@ class BridgeClient:
         return {}
 
 
+_UNIT_LOCKS: dict[str, asyncio.Lock] = {}
+
+
+def _unit_lock(unit: str) -> asyncio.Lock:
+    return _UNIT_LOCKS.setdefault(unit, asyncio.Lock())
+
+
 class AgentProcess:
     """One running agent (a child process) and the ACP connection to it."""
 
@@ -193,10 +207,20 @@ class AgentProcess:
         self._output: _AgentOutput | None = None
         self._stderr: deque[str] = deque(maxlen=20)
         self._tasks: list[asyncio.Task] = []
+        self.uid: int | None = None  # the isolation unit's uid (when the service runs as root)
+        self.tmp: Path | None = None
+        self.proxy: EgressProxy | None = None
+        self._policy: dict | None = None
+        self._disk_floor = 0  # disk use that does not count as a breach (what the unit had at start)
+        self._breach = False
 
     @property
     def alive(self) -> bool:
         return self.failure is None and self.process is not None and self.process.returncode is None
+
+    @property
+    def starting(self) -> bool:
+        return self.failure is None and self.process is None
 
     @property
     def pid(self) -> int | None:
@@ -206,18 +230,31 @@ class AgentProcess:
         self.last_used = time.monotonic()
 
     async def start(self) -> None:
-        home = workspace.ensure_dir(self.spec.home)
-        env = {**acp.default_environment(), "HOME": str(home), **self.spec.env}
+        sandbox.harden_host()
+        try:
+            argv, env, cwd = await self._command()
+        except sandbox.SandboxError as exc:
+            self.failure = str(exc)
+            logger.error("ACP agent %s: %s", self.spec.label, self.failure)
+            await self._close_proxy()
+            raise AgentError(self.failure) from None
         try:
             self.process = await asyncio.create_subprocess_exec(
-                *self.spec.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=env, cwd=home, start_new_session=True, limit=STREAM_LIMIT,
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd, start_new_session=True, limit=STREAM_LIMIT,
             )
         except OSError as exc:
             self.failure = f"The agent command could not be started ({type(exc).__name__})."
             logger.error("ACP agent %s: %s", self.spec.label, self.failure)
+            await self._close_proxy()
             raise AgentError(self.failure) from None
-        logger.info("ACP agent %s started (pid %s, %s)", self.spec.label, self.process.pid, self.spec.argv[0])
+        if self.spec.sandbox is None:
+            logger.warning("ACP agent %s started WITHOUT A SANDBOX (pid %s, %s): unsafeWithoutSandbox is set; it has "
+                           "the worker's reach", self.spec.label, self.process.pid, self.spec.argv[0])
+        else:
+            logger.info("ACP agent %s started (pid %s, %s, sandboxed as uid %s)", self.spec.label, self.process.pid,
+                        self.spec.argv[0], self.uid if self.uid is not None else os.getuid())
+        metrics.acp_process_started()
         self._output = _AgentOutput(self.process.stdout, self.process.stdin)
         self.conn = acp.connect_to_agent(BridgeClient(self), self._output)
         loop = asyncio.get_running_loop()
@@ -237,6 +274,83 @@ class AgentProcess:
             await self.stop(self.failure or "The agent did not start.", kill=True)
             raise
         self.capabilities = response.agent_capabilities or schema.AgentCapabilities()
+
+    async def _command(self) -> tuple[list[str], dict, Path]:
+        """The argv, environment and cwd that start the agent (in its sandbox, unless opted out)."""
+        spec, box = self.spec, self.spec.sandbox
+        if box is None:
+            home = workspace.ensure_dir(spec.home)
+            env = {**sandbox.environment(home, home, None), **spec.env, "HOME": str(home)}
+            return [sandbox.resolve(spec.argv[0], env["PATH"]), *spec.argv[1:]], env, home
+        gaps = sandbox.missing()
+        if gaps:
+            raise sandbox.SandboxError(sandbox.refuse_sentence(gaps))
+        if sandbox.as_root():
+            async with _unit_lock(box.unit):  # never while a stop of the same unit still kills its uid
+                self.uid = await asyncio.to_thread(sandbox.unit_uid, box.unit)
+        tmp = await asyncio.to_thread(sandbox.prepare, box, self.uid, spec.home)
+        self.tmp = tmp
+        if box.egress:
+            self.proxy = EgressProxy(box.egress, spec.label)
+            await self.proxy.start()
+        proxy_url = self.proxy.url if self.proxy else None
+        env = {**sandbox.environment(spec.home, tmp, proxy_url), **spec.env,
+               **sandbox.fixed_environment(spec.home, tmp, proxy_url)}
+        executable = sandbox.resolve(spec.argv[0], env["PATH"])
+        base_tasks = 0
+        if self.uid is None:  # RLIMIT_NPROC counts every task of the service's own uid too
+            base_tasks = (await asyncio.to_thread(limits.snapshot)).unit(uid=os.getuid(), pgid=None)[1]
+        self._policy = await asyncio.to_thread(
+            sandbox.policy, box, executable, uid=self.uid, cwd=spec.home,
+            proxy_port=self.proxy.port if self.proxy else None, base_tasks=base_tasks,
+        )
+        self._disk_floor = await asyncio.to_thread(limits.disk_bytes, box.writable)
+        return sandbox.launcher_argv(self._policy, [executable, *spec.argv[1:]]), env, spec.home
+
+    def confined(self, argv: list[str], cwd: Path) -> list[str]:
+        """`argv` (a terminal command) under this agent's sandbox, started in `cwd`."""
+        if self._policy is None:
+            return argv
+        executable = sandbox.resolve(argv[0], sandbox.sandbox_path())
+        return sandbox.launcher_argv({**self._policy, "cwd": str(cwd)}, [executable, *argv[1:]])
+
+    async def own(self, path: Path) -> None:
+        """Give a directory the service created for this agent (a workspace) to its uid."""
+        if self.uid is not None:
+            await asyncio.to_thread(sandbox.own, path, self.uid)
+
+    async def check_limits(self, snap: limits.Snapshot | None = None, *, disk: bool = True) -> str | None:
+        """A sentence when the unit is past one of its limits (then its processes are stopped).
+        `snap` is the runtime's shared view of the processes (taken now when not given)."""
+        box = self.spec.sandbox
+        if box is None or self.process is None or self.failure is not None:
+            return self.failure if self.failure and self._breach else None
+        bounds = box.limits
+        if snap is None:
+            snap = await asyncio.to_thread(limits.snapshot)
+        pids, tasks = snap.unit(uid=self.uid, pgid=self.process.pid)
+        breach = None
+        if tasks >= bounds.processes:
+            breach = f"The agent reached its limit of {bounds.processes} processes and threads"
+        elif await asyncio.to_thread(limits.resident_bytes, pids) > bounds.memory_bytes:
+            breach = f"The agent used more than its memory limit of {limits.mib(bounds.memory_bytes)}"
+        elif disk:
+            used = await asyncio.to_thread(limits.disk_bytes, box.writable)
+            if used > max(bounds.disk_bytes, self._disk_floor):
+                breach = f"The agent's workspace and home hold more than its disk limit of {limits.mib(bounds.disk_bytes)}"
+            else:  # what it deleted no longer counts as allowed
+                self._disk_floor = min(self._disk_floor, max(used, bounds.disk_bytes))
+        if breach is None or self.failure is not None:
+            return None
+        breach += "; its processes were stopped."
+        self._breach = True
+        logger.warning("ACP agent %s: %s", self.spec.label, breach)
+        await self.stop(breach, kill=True)
+        return breach
+
+    async def _close_proxy(self) -> None:
+        if self.proxy is not None:
+            await self.proxy.close()
 
     async def call(self, awaitable, what: str):
         """Await one request to the agent within the start timeout; failures become AgentError."""
@@ -262,7 +376,8 @@ class AgentProcess:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.process.wait()), 3)
             if self.failure is None and self.process.returncode is not None:
-                self.failure = f"The agent process exited unexpectedly (exit code {self.process.returncode})."
+                failure = await self._exit_failure(self.process.returncode)
+                self.failure = self.failure or failure
         if self.failure is None:
             self.failure = "The connection to the agent broke; its process was stopped."
             await self.stop(self.failure, kill=True)
@@ -274,26 +389,55 @@ class AgentProcess:
             while line := await self.process.stderr.readline():
                 self._stderr.append(line.decode("utf-8", errors="replace").rstrip()[:500])
 
+    async def _exit_failure(self, code: int) -> str:
+        """Why the process exited, as a safe sentence: its sandbox's own, a limit, or the code."""
+        if code == sandbox.EXIT_SETUP_FAILED:
+            with contextlib.suppress(TimeoutError):  # the launcher's sentence is on stderr, being drained
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]), 1)
+            sentence = sandbox.setup_failure(self._stderr)
+            if sentence:
+                logger.error("ACP agent %s: %s", self.spec.label, sentence)
+                return sentence
+        if self.spec.sandbox is not None:
+            sentence = limits.exit_sentence(code, self.spec.sandbox.limits)
+            if sentence:
+                return sentence
+        tail = self.spec.redact("\n".join(self._stderr))
+        logger.warning("ACP agent %s (pid %s) exited with code %s; last stderr lines:\n%s",
+                       self.spec.label, self.process.pid, code, tail)
+        return f"The agent process exited unexpectedly (exit code {code})."
+
     async def _watch(self) -> None:
         code = await self.process.wait()
+        metrics.acp_process_exited()
         if self.failure is None:
-            self.failure = f"The agent process exited unexpectedly (exit code {code})."
-            tail = self.spec.redact("\n".join(self._stderr))
-            logger.warning("ACP agent %s (pid %s) exited with code %s; last stderr lines:\n%s",
-                           self.spec.label, self.process.pid, code, tail)
+            failure = await self._exit_failure(code)
+            self.failure = self.failure or failure
         for session in list(self.sessions.values()):
             session.close()
 
     async def stop(self, reason: str, *, kill: bool = False) -> None:
-        """Stop the process (gracefully unless `kill`); every request to it fails."""
+        """Stop the process (gracefully unless `kill`: then every process of its uid goes too);
+        every request to it fails."""
         if self.failure is None:
             self.failure = reason
+        if self.process is not None and self.process.returncode is None:
+            logger.info("stopping ACP agent %s (pid %s): %s", self.spec.label, self.process.pid, reason)
+        if kill and self.uid is not None and self.spec.sandbox is not None:
+            async with _unit_lock(self.spec.sandbox.unit):
+                await self._kill_unit()
+                await self._stop(kill)
+                await self._kill_unit()
+            return
+        await self._stop(kill)
+
+    async def _stop(self, kill: bool) -> None:
         for session in list(self.sessions.values()):
             session.close()
         process = self.process
         if process is not None and process.returncode is None:
-            logger.info("stopping ACP agent %s (pid %s): %s", self.spec.label, process.pid, reason)
             if kill:
+                metrics.acp_process_killed()
                 self._signal(signal.SIGKILL)
             else:
                 with contextlib.suppress(Exception):
@@ -305,12 +449,20 @@ class AgentProcess:
                     except TimeoutError:
                         self._signal(sig)
         if self.conn is not None:
-            with contextlib.suppress(Exception):
-                await self.conn.close()
+            with contextlib.suppress(Exception):  # bounded: a stop must never hang the reaper
+                await asyncio.wait_for(self.conn.close(), 5)
         if process is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(process.wait()), 5)
         self._signal(signal.SIGKILL)  # whatever it left behind in its process group
+        await self._close_proxy()
+
+    async def _kill_unit(self) -> None:
+        """Kill everything of the unit's uid (what left the process group too), before a new
+        process of the same unit may start."""
+        if self.uid is None:
+            return
+        await asyncio.to_thread(sandbox.kill_uid, self.uid)
 
     def _signal(self, sig: int) -> None:
         if self.process is not None:

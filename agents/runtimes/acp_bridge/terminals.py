@@ -1,5 +1,6 @@
-"""`terminal/*` for ACP agents: commands run in the session's workspace, with a timeout and
-an output byte limit, in their own process group so a kill reaches their children too."""
+"""`terminal/*` for ACP agents: commands run in the session's workspace, in the agent's own
+sandbox (never as the worker), with a timeout and an output byte limit, in their own process
+group so a kill reaches their children too."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import acp
 
+from .sandbox import SandboxError, sandbox_path
 from .workspace import WorkspaceError, confined_dir
 
 
@@ -71,8 +73,9 @@ class Terminal:
 class Terminals:
     """The terminals of one ACP session."""
 
-    def __init__(self, workspace: Path, *, timeout: float, max_output: int):
+    def __init__(self, workspace: Path, *, timeout: float, max_output: int, confine=None):
         self.workspace = workspace
+        self.confine = confine  # (argv, cwd) -> argv under the agent's own sandbox
         self.timeout = timeout
         self.max_output = max_output
         self._terminals: dict[str, Terminal] = {}
@@ -89,14 +92,17 @@ class Terminals:
             directory = confined_dir(self.workspace, cwd)
         except WorkspaceError as exc:
             raise acp.RequestError(exc.code, str(exc)) from None
-        environment = {**acp.default_environment(), "HOME": str(self.workspace)}
+        environment = {"PATH": sandbox_path(), "LANG": "C.UTF-8", "HOME": str(self.workspace)}
         environment.update({item.name: item.value for item in env or []})
+        argv = [command, *(args or [])]
         try:
+            if self.confine is not None:
+                argv = self.confine(argv, directory)
             process = await asyncio.create_subprocess_exec(
-                command, *(args or []), cwd=directory, env=environment, stdin=asyncio.subprocess.DEVNULL,
+                *argv, cwd=directory, env=environment, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
             )
-        except OSError as exc:
+        except (OSError, SandboxError) as exc:
             raise acp.RequestError.invalid_params({"command": f"cannot run ({type(exc).__name__})"}) from None
         limit = min(int(output_byte_limit), self.max_output) if output_byte_limit else self.max_output
         terminal_id = "term_" + uuid.uuid4().hex

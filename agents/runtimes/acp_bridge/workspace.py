@@ -46,9 +46,20 @@ def workspace_path(tenant: str, session_id: str) -> Path:
     return root() / _safe(tenant) / _safe(session_id)
 
 
+def tenant_path(tenant: str) -> Path:
+    return root() / _safe(tenant)
+
+
 def agent_home(tenant: str, agent_name: str) -> Path:
-    """The HOME of a tenant's agent processes: outside every session workspace."""
+    """The HOME of a tenant's shared agent processes (isolation `tenant`): outside every
+    session workspace."""
     return root() / _safe(tenant) / ".agents" / _safe(agent_name)
+
+
+def session_home(tenant: str, session_id: str, agent_name: str) -> Path:
+    """The HOME of a session's own agent process (isolation `session`): outside its workspace,
+    removed with the session."""
+    return root() / _safe(tenant) / ".session-homes" / _safe(session_id) / _safe(agent_name)
 
 
 def ensure_dir(path: Path) -> Path:
@@ -58,6 +69,7 @@ def ensure_dir(path: Path) -> Path:
 
 def remove_workspace(tenant: str, session_id: str) -> None:
     shutil.rmtree(workspace_path(tenant, session_id), ignore_errors=True)
+    shutil.rmtree(root() / _safe(tenant) / ".session-homes" / _safe(session_id), ignore_errors=True)
 
 
 def relative_parts(workspace: Path, path: str) -> list[str]:
@@ -75,7 +87,7 @@ def relative_parts(workspace: Path, path: str) -> list[str]:
     return [part for part in normal[len(base) :].split("/") if part not in ("", ".")]
 
 
-def _open(workspace: Path, parts: list[str], flags: int, *, make_dirs: bool) -> int:
+def _open(workspace: Path, parts: list[str], flags: int, *, make_dirs: bool, owner: int | None = None) -> int:
     """Open `parts` below `workspace` without following any symlink; returns a file descriptor."""
     if not parts:
         raise WorkspaceError("The path names the workspace itself, not a file.")
@@ -89,6 +101,8 @@ def _open(workspace: Path, parts: list[str], flags: int, *, make_dirs: bool) -> 
                     raise WorkspaceError("No such file in the workspace.", WorkspaceError.NOT_FOUND) from None
                 os.mkdir(part, 0o700, dir_fd=directory)
                 child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=directory)
+                if owner is not None:  # the sandboxed agent's uid must own what is made for it
+                    os.fchown(child, owner, owner)
             except OSError as exc:
                 raise _refusal(exc) from None
             os.close(directory)
@@ -141,14 +155,17 @@ def read_text(workspace: Path, path: str, *, line: int | None, limit: int | None
     return "".join(lines[start:end])
 
 
-def write_text(workspace: Path, path: str, content: str, *, max_bytes: int) -> None:
-    """Create or replace a workspace file (missing parent directories are created)."""
+def write_text(workspace: Path, path: str, content: str, *, max_bytes: int, owner: int | None = None) -> None:
+    """Create or replace a workspace file (missing parent directories are created), owned by
+    `owner` (the sandboxed agent's uid) when given."""
     data = content.encode("utf-8")
     if len(data) > max_bytes:
         raise WorkspaceError(f"The content is larger than {max_bytes} bytes.")
-    fd = _open(workspace, relative_parts(workspace, path), os.O_WRONLY | os.O_CREAT, make_dirs=True)
+    fd = _open(workspace, relative_parts(workspace, path), os.O_WRONLY | os.O_CREAT, make_dirs=True, owner=owner)
     with os.fdopen(fd, "wb") as handle:
         _check_regular(fd)
+        if owner is not None:
+            os.fchown(fd, owner, owner)
         handle.truncate(0)
         handle.write(data)
 

@@ -1,0 +1,124 @@
+"""The egress proxy of one sandboxed agent process: its only way out of the host.
+
+Landlock filters TCP connect by port only, so a sandboxed agent may connect to one port:
+this proxy's, on 127.0.0.1, run by the worker (never by the agent). The proxy lets through
+exactly the `host:port` pairs the operator declared for that agent (`egress`), as HTTP
+`CONNECT` tunnels (HTTPS) or absolute-form HTTP requests (plain HTTP); anything else gets
+`403` and a log line naming the agent and the refused destination. The agent finds it
+through HTTP_PROXY / HTTPS_PROXY / ALL_PROXY, which the sandbox sets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from urllib.parse import urlsplit
+
+logger = logging.getLogger("agents.runtimes.acp")
+
+HEAD_LIMIT = 64 * 1024
+HEAD_TIMEOUT = 30.0
+CONNECT_TIMEOUT = 15.0
+CHUNK = 64 * 1024
+
+
+def parse_destination(entry: str) -> tuple[str, int]:
+    host, _, port = entry.rpartition(":")
+    return host.strip("[]").lower(), int(port)
+
+
+class EgressProxy:
+    """An allowlisting forward proxy on 127.0.0.1 for one agent process."""
+
+    def __init__(self, allowed: tuple[str, ...], label: str):
+        self.allowed = {parse_destination(entry) for entry in allowed}
+        self.label = label
+        self.server: asyncio.base_events.Server | None = None
+        self.port: int | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, limit=HEAD_LIMIT)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        self.server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            await self._handle(reader, writer)
+        except (asyncio.CancelledError, ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                TimeoutError, ValueError, OSError):
+            pass
+        finally:
+            self._tasks.discard(task)
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
+        line, _, rest = head.partition(b"\r\n")
+        method, target, version = line.decode("latin-1").split(" ", 2)
+        if method.upper() == "CONNECT":
+            host, port = parse_destination(target)
+            forward = b""
+        else:
+            url = urlsplit(target)
+            if url.scheme != "http" or not url.hostname:
+                await self._refuse(writer, "only CONNECT and absolute http:// requests go through this proxy")
+                return
+            host, port = url.hostname.lower(), url.port or 80
+            path = url.path or "/"
+            if url.query:
+                path += "?" + url.query
+            forward = f"{method} {path} {version}\r\n".encode("latin-1") + rest
+        if (host, port) not in self.allowed:
+            logger.warning("sandbox: agent %s tried to reach %s:%s, which its egress does not allow",
+                           self.label, host, port)
+            await self._refuse(writer, f"{host}:{port} is not in this agent's egress allowlist")
+            return
+        try:
+            up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT)
+        except (OSError, TimeoutError):
+            writer.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+            return
+        if forward:
+            up_writer.write(forward)
+        else:
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        try:
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        finally:
+            with contextlib.suppress(Exception):
+                up_writer.close()
+
+    @staticmethod
+    async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        try:
+            while chunk := await source.read(CHUNK):
+                sink.write(chunk)
+                await sink.drain()
+        finally:
+            with contextlib.suppress(Exception):
+                if sink.can_write_eof():
+                    sink.write_eof()
+
+    @staticmethod
+    async def _refuse(writer: asyncio.StreamWriter, reason: str) -> None:
+        body = f"Refused by the sandbox: {reason}.\n".encode()
+        writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()

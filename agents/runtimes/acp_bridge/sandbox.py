@@ -1,0 +1,373 @@
+"""The ACP sandbox, worker side: what an agent process may reach, and how it is started.
+
+Every ACP agent process (and every `terminal/*` command) is started through the launcher
+`sandbox_exec.py`, which confines itself before it execs the agent (see its docstring).
+This module decides the policy: the isolation unit and its uid (when the service runs as
+root), the directories it may write (its workspace(s) and HOME) and read (the system and the
+agent's installation), the TCP port it may connect to (its egress proxy), its resource
+limits, and its environment, built from scratch. It also watches a running unit (process
+count, memory, workspace disk use) and stops it when it goes past a limit.
+
+Where the kernel lacks what the sandbox needs, `missing()` names it and the agent refuses
+to start, unless the operator set `unsafeWithoutSandbox` for that agent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.conf import settings
+
+from . import workspace
+from .limits import Limits
+
+logger = logging.getLogger("agents.runtimes.acp")
+
+LAUNCHER = Path(__file__).with_name("sandbox_exec.py")
+EXIT_SETUP_FAILED = 125  # sandbox_exec.EXIT_SETUP_FAILED
+SETUP_PREFIX = "aap-sandbox: "
+LANDLOCK_ABI_NEEDED = 6  # filesystem (1), TCP ports (4), signal and abstract-socket scoping (6)
+
+EGRESS_SCHEMA = {
+    "type": "array",
+    "items": {"type": "string", "pattern": r"^([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"},
+}
+
+SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/proc",
+               "/sys/devices/system/cpu")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+# /etc entries never granted, even when world-readable (unreadable ones are never granted).
+ETC_HIDDEN = {"shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d", "ssh", "ssl", "security",
+              "credstore", "credstore.encrypted", ".pwd.lock"}
+ETC_SSL = ("/etc/ssl/certs", "/etc/ssl/openssl.cnf")
+
+
+class SandboxError(Exception):
+    """The sandbox cannot hold for this agent; the message is a sentence for the turn's error."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """The confinement of one agent process (None on a ProcessSpec: the operator opted out)."""
+
+    unit: str  # the isolation unit: "session:<tenant>/<session>" or "tenant:<tenant>/<key>"
+    writable: tuple[Path, ...]  # read-write: workspace(s) and HOME
+    read_paths: tuple[str, ...]  # the operator's extra read-only paths (the agent's installation)
+    egress: tuple[str, ...]  # host:port the egress proxy lets through
+    limits: Limits
+
+
+# --- what the kernel offers -----------------------------------------------------------------
+
+
+@functools.cache
+def missing() -> tuple[str, ...]:
+    """What this machine lacks for the sandbox, as phrases (empty when everything is there)."""
+    gaps = []
+    try:
+        from py_landlock import get_abi_version
+
+        abi = int(get_abi_version())
+        if abi < LANDLOCK_ABI_NEEDED:
+            gaps.append(f"Landlock ABI {LANDLOCK_ABI_NEEDED} (Linux 6.12 or later; this kernel offers ABI {abi})")
+    except Exception as exc:
+        gaps.append(f"Landlock (Linux 6.12 or later with Landlock enabled; here: {type(exc).__name__})")
+    try:
+        import pyseccomp
+
+        pyseccomp.get_api()
+        if "Seccomp:" not in Path("/proc/self/status").read_text():
+            gaps.append("seccomp filters in the kernel")
+    except Exception as exc:
+        gaps.append(f"libseccomp (the libseccomp2 package; here: {type(exc).__name__})")
+    return tuple(gaps)
+
+
+def refuse_sentence(gaps: tuple[str, ...]) -> str:
+    return (
+        "The agent cannot start: its sandbox needs " + "; ".join(gaps) + ". An operator can run it unconfined "
+        "only by setting unsafeWithoutSandbox for this agent."
+    )
+
+
+def as_root() -> bool:
+    return os.geteuid() == 0
+
+
+def harden_host() -> None:
+    """Make this process (a worker that starts agents) not dumpable: no same-uid process can
+    read its memory or /proc/<pid>/environ, nor attach to it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+            logger.warning("could not make this process non-dumpable (errno %s)", ctypes.get_errno())
+    except OSError as exc:
+        logger.warning("could not make this process non-dumpable (%s)", type(exc).__name__)
+
+
+# --- uids: one per isolation unit when the service runs as root -----------------------------
+
+
+def _uid_dir() -> Path:
+    return workspace.root() / ".uids"  # never a tenant: tenant names cannot start with a dot
+
+
+def unit_uid(unit: str) -> int:
+    """The uid of an isolation unit: the same on every worker sharing the workspace root, and
+    never another unit's (claimed with O_EXCL in `<root>/.uids/`, probing linearly)."""
+    base, count = settings.AAP_SANDBOX_UID_BASE, settings.AAP_SANDBOX_UID_COUNT
+    directory = workspace.ensure_dir(_uid_dir())
+    start = int.from_bytes(hashlib.sha256(unit.encode()).digest()[:8], "big") % count
+    for step in range(count):
+        uid = base + (start + step) % count
+        path = directory / str(uid)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            if path.read_text() == unit:
+                return uid
+            continue
+        with os.fdopen(fd, "w") as handle:
+            handle.write(unit)
+        kill_uid(uid)  # a uid claimed anew carries nothing of a unit that had it before
+        return uid
+    raise SandboxError("The agent cannot start: every sandbox uid is in use (AAP_SANDBOX_UID_COUNT).")
+
+
+def release_unit(unit: str) -> None:
+    """Stop every process of a unit and give its uid back (a deleted session)."""
+    if not as_root():
+        return
+    directory = _uid_dir()
+    base, count = settings.AAP_SANDBOX_UID_BASE, settings.AAP_SANDBOX_UID_COUNT
+    start = int.from_bytes(hashlib.sha256(unit.encode()).digest()[:8], "big") % count
+    for step in range(count):
+        path = directory / str(base + (start + step) % count)
+        try:
+            owner = path.read_text()
+        except FileNotFoundError:
+            return
+        if owner == unit:
+            kill_uid(int(path.name))
+            path.unlink(missing_ok=True)
+            return
+
+
+def kill_uid(uid: int) -> None:
+    """Kill every process of `uid` (whatever sessions or groups they made), as that uid."""
+    if not as_root():
+        return
+    subprocess.run([sys.executable, "-I", str(LAUNCHER), "--kill-uid", str(uid)], check=False, timeout=30,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# --- directories ----------------------------------------------------------------------------
+
+
+def _searchable(path: Path) -> None:
+    """Let other users traverse (never list or read) `path` and its parents: an agent's uid
+    must reach its workspace and installation by name; Landlock decides what it may open."""
+    for directory in [path, *path.parents]:
+        try:
+            mode = directory.stat().st_mode
+        except OSError:
+            continue
+        if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+            os.chmod(directory, stat.S_IMODE(mode) | stat.S_IXOTH)
+            logger.warning("sandbox: made %s searchable by other users (o+x) so agents can reach what they are "
+                           "allowed", directory)
+
+
+def own(path: Path, uid: int | None) -> None:
+    """Give a writable directory (and what is in it) to the unit's uid, mode 0700. Links are
+    never followed, and a file with several hard links is left alone (it may be a link to a
+    file outside)."""
+    if uid is None:
+        return
+    os.lchown(path, uid, uid)
+    os.chmod(path, 0o700)
+    for top, dirs, files in os.walk(path):
+        for name in dirs + files:
+            child = os.path.join(top, name)
+            try:
+                info = os.lstat(child)
+                if info.st_uid == uid or (not stat.S_ISDIR(info.st_mode) and info.st_nlink > 1):
+                    continue
+                os.lchown(child, uid, uid)
+            except OSError:
+                continue
+
+
+def prepare(spec: SandboxSpec, uid: int | None, home: Path) -> Path:
+    """Create the unit's directories, owned by its uid; returns its temporary directory.
+
+    Directories between the workspace root and the unit's own stay the service's, mode 0711
+    (traversable, not listable); a tenant's directory (isolation `tenant`, writable as a
+    whole by Landlock) stays the service's too, so its sessions' workspaces are given to the
+    unit one by one as they open (AgentProcess.own)."""
+    root = workspace.root()
+    workspace.ensure_dir(root)
+    tmp = home / ".tmp"
+    for path in (*spec.writable, home, tmp):
+        workspace.ensure_dir(path)
+    if uid is None:
+        return tmp
+    for path in (*spec.writable, home):
+        for parent in path.parents:
+            if parent == root or root not in parent.parents:
+                break
+            os.chmod(parent, 0o711)
+    _searchable(root)
+    for path in (*spec.writable, home):
+        if path.parent == root:
+            os.chown(path, os.getuid(), os.getgid())
+            os.chmod(path, 0o711)
+        else:
+            own(path, uid)
+    return tmp
+
+
+# --- the policy and the command -------------------------------------------------------------
+
+
+def sandbox_path() -> str:
+    """The agents' PATH: the service's own environment first, then the system's."""
+    return os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"])
+
+
+def resolve(command: str, path: str) -> str:
+    """The executable for `command` on the sandbox's PATH (or as given when it is a path)."""
+    if "/" in command:
+        if not os.path.isabs(command):
+            raise SandboxError("The agent command must be a name found on PATH or an absolute path.")
+        found = command if os.access(command, os.X_OK) and os.path.isfile(command) else None
+    else:
+        found = shutil.which(command, path=path)
+    if found is None:
+        raise SandboxError(
+            f"The agent command '{command}' was not found on the sandbox's PATH ({path}); install it into the "
+            "service's environment or name it by absolute path."
+        )
+    return found
+
+
+def _etc() -> list[str]:
+    granted = [path for path in ETC_SSL if os.path.exists(path)]
+    try:
+        names = sorted(os.listdir("/etc"))
+    except OSError:
+        return granted
+    for name in names:
+        if name in ETC_HIDDEN or name.endswith((".key", ".pem")):
+            continue
+        path = os.path.join("/etc", name)
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue
+        if info.st_mode & stat.S_IROTH:  # what other users may not read stays unreadable here too
+            granted.append(path)
+    return granted
+
+
+def _installation(executable: str) -> list[str]:
+    """The executable's directory (and the one above it when that is a `bin`), the service's
+    interpreter and its environment: what a program found on the sandbox's PATH runs from."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
+    for candidate in (executable, os.path.realpath(executable)):
+        directory = os.path.dirname(candidate)
+        paths.add(directory)
+        if os.path.basename(directory) == "bin":
+            paths.add(os.path.dirname(directory))
+    return sorted(path for path in paths if path != "/")
+
+
+def _reads_protected(path: str) -> bool:
+    """Whether granting `path` would grant the workspaces or the service's var/ (key files)."""
+    real = os.path.realpath(path)
+    for protected in (workspace.root(), Path(os.path.realpath(settings.VAR_DIR))):
+        if Path(real) == protected or Path(real) in protected.parents:
+            return True
+    return False
+
+
+def policy(spec: SandboxSpec, executable: str, *, uid: int | None, cwd: Path, proxy_port: int | None,
+           base_tasks: int = 0) -> dict:
+    """The launcher's policy (paths, ports and numbers only: it travels in argv)."""
+    limits = spec.limits
+    read = []
+    for path in [*SYSTEM_READ, *_etc(), *_installation(executable), *spec.read_paths]:
+        if _reads_protected(path):  # e.g. a readPaths entry or a command's directory above var/
+            logger.warning("sandbox: %s is not granted to agents: it holds the workspaces or the service's "
+                           "var/", path)
+            continue
+        read.append(path)
+    if uid is not None:
+        for path in read:
+            if path.startswith(("/etc/", "/proc", "/sys/")) or path in SYSTEM_READ or not os.path.exists(path):
+                continue  # the system's own directories are searchable already
+            _searchable(Path(path) if os.path.isdir(path) else Path(path).parent)
+    return {
+        "uid": uid, "gid": uid, "cwd": str(cwd),
+        "read": read, "devices": list(DEVICES), "write": [str(path) for path in spec.writable],
+        "connect": [proxy_port] if proxy_port else [],
+        "limits": {
+            "data": limits.memory_bytes, "cpu": limits.cpu_seconds, "fsize": limits.disk_bytes,
+            "nofile": limits.open_files, "core": 0,
+            # Per uid: with a uid of its own the unit counts only its own tasks.
+            "nproc": limits.processes + base_tasks,
+        },
+    }
+
+
+def launcher_argv(policy_: dict, argv: list[str]) -> list[str]:
+    return [sys.executable, "-I", str(LAUNCHER), json.dumps(policy_, separators=(",", ":")), "--", *argv]
+
+
+def environment(home: Path, tmp: Path, proxy_url: str | None) -> dict:
+    """The base environment of a sandboxed agent: built from scratch, nothing of the service's."""
+    env = {
+        "PATH": sandbox_path(), "HOME": str(home), "TMPDIR": str(tmp), "LANG": "C.UTF-8", "SHELL": "/bin/sh",
+        "USER": "aap-agent", "LOGNAME": "aap-agent", "TERM": "dumb",
+    }
+    if proxy_url:
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+            env[name] = env[name.lower()] = proxy_url
+    return env
+
+
+def fixed_environment(home: Path, tmp: Path, proxy_url: str | None) -> dict:
+    """What the operator's `env` cannot override: where the agent may write and its only route out."""
+    fixed = {"HOME": str(home), "TMPDIR": str(tmp)}
+    if proxy_url:
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+            fixed[name] = fixed[name.lower()] = proxy_url
+        fixed["NO_PROXY"] = fixed["no_proxy"] = ""
+    return fixed
+
+
+def setup_failure(stderr_lines) -> str | None:
+    """The launcher's own sentence, when it failed before the agent ran."""
+    for line in stderr_lines:
+        if line.startswith(SETUP_PREFIX):
+            return f"The agent's sandbox could not be set up: {line[len(SETUP_PREFIX):].strip()}."
+    return None
+
+
+_UNIT_RE = re.compile(r"[^A-Za-z0-9_.:/-]")
+
+
+def unit_name(kind: str, tenant: str, detail: str) -> str:
+    return _UNIT_RE.sub("_", f"{kind}:{tenant}/{detail}")
