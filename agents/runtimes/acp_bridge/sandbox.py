@@ -25,6 +25,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,6 +172,32 @@ def kill_uid(uid: int) -> None:
         return
     subprocess.run([sys.executable, "-I", str(LAUNCHER), "--kill-uid", str(uid)], check=False, timeout=30,
                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Killed processes count against the uid's RLIMIT_NPROC until they are reaped (by init,
+    # once their parent is gone): wait for them, or the unit's next process may not fork.
+    deadline = time.monotonic() + UID_GONE_SECONDS
+    while _uid_has_processes(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+UID_GONE_SECONDS = 10.0
+
+
+def _uid_has_processes(uid: int) -> bool:
+    """Whether any process (zombies included) has `uid` as its real uid."""
+    wanted = str(uid)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status", encoding="ascii", errors="replace") as status:
+                for line in status:
+                    if line.startswith("Uid:"):
+                        if line.split()[1] == wanted:
+                            return True
+                        break
+        except OSError:
+            continue  # gone meanwhile
+    return False
 
 
 # --- directories ----------------------------------------------------------------------------
