@@ -1,12 +1,18 @@
 # syntax=docker/dockerfile:1
-# aap-hosting: one image for the web process (Daphne), the Celery worker and beat.
+# aap-hosting: one image for every service of docker-compose.yml (web, worker, beat, init);
+# deploy/entrypoint.sh picks the role from the command.
 #
 #   docker build -t aap-hosting .
-#   docker compose up          (see docker-compose.yml and .env.example)
+#   docker build --build-arg ACP=1 --build-arg NPM_PACKAGES="@scope/some-acp-agent" -t aap-hosting:acp .
 #
+# ACP=1 adds what ACP agents need: agentao (a Python ACP agent) and Node.js with npm, for
+# agents distributed on npm (NPM_PACKAGES: installed globally, so their commands are on PATH).
 # Configuration comes from the environment at run time (DATABASE_URL, REDIS_URL,
 # SECRET_KEY, HOSTING_ENCRYPTION_KEYS, ALLOWED_HOSTS, ...); no secret is baked in.
 FROM python:3.11-slim
+
+ARG ACP=0
+ARG NPM_PACKAGES=""
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -14,6 +20,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
+
+# ACP agents: Node.js and npm from Debian, agentao from PyPI, npm agents globally.
+RUN if [ "$ACP" = "1" ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends nodejs npm \
+        && rm -rf /var/lib/apt/lists/* \
+        && pip install 'agentao>=0.5.17' \
+        && if [ -n "$NPM_PACKAGES" ]; then npm install --global $NPM_PACKAGES && npm cache clean --force; fi; \
+    fi
 
 # Dependencies first, from pyproject.toml alone, so code changes do not reinstall them.
 COPY pyproject.toml ./
@@ -33,7 +48,8 @@ ENV PYTHONPATH=/app \
     DJANGO_SETTINGS_MODULE=hosting.settings \
     HOSTING_VAR_DIR=/data/var \
     AAP_WORKSPACE_ROOT=/data/workspaces \
-    STATIC_ROOT=/app/staticfiles
+    STATIC_ROOT=/app/staticfiles \
+    APP_DIR=/app
 
 # Static files at build time. Throwaway secrets exist only in this RUN's environment (not
 # baked in as ENV); without them settings would generate and store local ones.
@@ -46,8 +62,11 @@ RUN SECRET_KEY="collectstatic-build-only" \
 RUN groupadd --system --gid 10001 aap \
     && useradd --system --uid 10001 --gid aap --home-dir /data --no-create-home --shell /usr/sbin/nologin aap \
     && mkdir -p /data/var /data/workspaces \
-    && chown -R aap:aap /data
+    && chown -R aap:aap /data \
+    && chmod 0755 /app/deploy/entrypoint.sh
 USER 10001:10001
+ENV HOME=/data
 
 EXPOSE 8000
-CMD ["daphne", "-b", "0.0.0.0", "-p", "8000", "hosting.asgi:application"]
+ENTRYPOINT ["/app/deploy/entrypoint.sh"]
+CMD ["web"]

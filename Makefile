@@ -1,7 +1,8 @@
 # aap-hosting: developer entry points. Everything runs from the repo's .venv.
 #
-#   make run                 migrate, seed the demo tenant, serve on 127.0.0.1:8000
+#   make run                 migrate, seed the demo tenant when absent, serve on 127.0.0.1:8000
 #   make test [ARGS=...]     the suite against PostgreSQL + Redis (throwaway servers when none answer)
+#   make install             the service's runtime dependencies only (make install-test: + test extras)
 #   make bench [FULL=1]      the benchmark
 #   make chaos [ARGS=...]    the fault-injection suite (its own PostgreSQL, Redis, Daphne, workers)
 #   make migrate | seed | worker | clean
@@ -9,7 +10,10 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+# One stamp per install: `make run` needs the runtime dependencies only; the test extras
+# (pytest, playwright, agentao, aiohttp) come with `make test` / `make bench`.
+STAMP      := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
 
 # Extra pytest arguments: make test ARGS='-k meta -x'  (PYTEST_ARGS works too)
 ARGS        ?=
@@ -18,7 +22,7 @@ FULL        ?=
 CELERY_CONCURRENCY ?= 16
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install run test chaos bench migrate seed worker clean
+.PHONY: help venv install install-test run test chaos bench migrate seed worker clean
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -29,25 +33,32 @@ $(BIN)/python:
 
 # (Re)install only when pyproject.toml is newer than the stamp: repeated runs are instant.
 $(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e .
+	@touch $@
+
+$(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	@touch $@
 
 venv install: $(STAMP)
 	@:
 
+install-test: $(TEST_STAMP)
+	@:
+
 run: $(STAMP)
 	scripts/run.sh
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	scripts/test.sh $(PYTEST_ARGS)
 
 # Faults (tests/chaos): the suite starts and kills its own servers, so it needs no
 # DATABASE_URL / REDIS_URL and runs without pytest-django's test database.
-chaos: $(STAMP)
+chaos: $(TEST_STAMP)
 	AAP_CHAOS=1 $(BIN)/python -m pytest -p no:django -p no:cacheprovider -W ignore::pytest.PytestConfigWarning tests/chaos $(PYTEST_ARGS)
 
 # The bench gets PostgreSQL + Redis like the suite (scripts/services.sh).
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(if $(FULL),FULL=$(FULL) )AAP_SERVICES_OWN_REDIS=1 scripts/services.sh -- $(BIN)/python -m bench
 
 migrate: $(STAMP)

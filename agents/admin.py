@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from .forms import AgentOptionForm
+from .forms import AgentForm, AgentOptionForm, AgentOptionFormSet, ServerToolForm
 from .models import Agent, AgentOption, ServerTool
 from .selectors import server_tool_specs
 
@@ -8,17 +8,21 @@ from .selectors import server_tool_specs
 class AgentOptionInline(admin.StackedInline):
     model = AgentOption
     form = AgentOptionForm
+    formset = AgentOptionFormSet
     extra = 0
+    fields = ("name", "type", "title", "description", "choices", "default", "secret_value", "clear_secret", "position")
 
 
 class ServerToolInline(admin.StackedInline):
     model = ServerTool
+    form = ServerToolForm
     extra = 0
     fields = ("name", "title", "description", "implementation", "parameters", "settings", "enabled", "position")
 
 
 @admin.register(Agent)
 class AgentAdmin(admin.ModelAdmin):
+    form = AgentForm
     list_display = ("name", "title", "version", "runtime_kind", "enabled", "tenant_list")
     list_filter = ("runtime_kind", "enabled")
     search_fields = ("name", "title", "description")

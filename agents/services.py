@@ -18,6 +18,7 @@ from hosting.models import Tenant
 
 from .models import Agent, AgentOption, ServerTool
 from .runtimes import RUNTIME_KINDS
+from .validation import model_source_error
 
 
 class AgentFileError(Exception):
@@ -132,6 +133,9 @@ def _apply_entry(entry: dict) -> tuple[Agent, bool]:
     from .runtimes import runtime_class
 
     toggles = _capability_toggles(entry, name, runtime_class(kind))
+    problem = model_source_error(kind, runtime.get("config"), entry.get("options") or [])
+    if problem:
+        raise AgentFileError(f"Agent '{name}': {problem}")
     agent = Agent.objects.filter(name=name).first()
     created = agent is None
     agent = agent or Agent(name=name)

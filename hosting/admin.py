@@ -5,6 +5,12 @@ from django.utils import timezone
 from .models import LIMIT_FIELDS, ApiToken, Tenant
 from .services import token_create
 
+# "View site" leads to the API's interactive documentation: the site of this service is its API.
+admin.site.site_url = "/v1/docs"
+admin.site.site_header = "aap-hosting administration"
+admin.site.site_title = "aap-hosting admin"
+admin.site.index_title = "Agents, tenants and sessions"
+
 
 class ApiTokenInline(admin.TabularInline):
     model = ApiToken
@@ -31,16 +37,28 @@ class TenantAdmin(admin.ModelAdmin):
         }),
     ]
 
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        if change:
+            return
+        # A new tenant gets its first API token at once (the page's transaction covers both).
+        _, raw = token_create(tenant=obj, name="initial")
+        messages.warning(
+            request,
+            f"Tenant {obj.name} can call the API with this token: {raw} — copy it now, "
+            "it is not stored and will not be shown again (more tokens: API tokens, Add).",
+        )
+
     def get_queryset(self, request):
         return super().get_queryset(request).annotate(
             _prompt=Sum("sessions__prompt_tokens"), _completion=Sum("sessions__completion_tokens")
         )
 
-    @admin.display(description="prompt tokens", ordering="_prompt")
+    @admin.display(description="LLM prompt tokens", ordering="_prompt")
     def prompt_tokens(self, obj):
         return obj._prompt or 0
 
-    @admin.display(description="completion tokens", ordering="_completion")
+    @admin.display(description="LLM completion tokens", ordering="_completion")
     def completion_tokens(self, obj):
         return obj._completion or 0
 

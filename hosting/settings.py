@@ -328,12 +328,28 @@ USE_I18N = True
 USE_TZ = True
 
 # --- Logging: never a secret, never a request body ---------------------------------------
-LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO")
+# JSON lines (LOG_FORMAT=plain: text) with the tenant, session and turn ids of the work at
+# hand (hosting/logs.py); Celery's lines about the routine sweep are at DEBUG.
+LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").upper()
+LOG_FORMAT = os.environ.get("LOG_FORMAT", "json").strip().lower()
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {
+        "json": {"()": "hosting.logs.json_formatter"},
+        "plain": {"()": "hosting.logs.PlainFormatter", "format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+    },
+    "filters": {
+        "ids": {"()": "hosting.logs.ContextFilter"},
+        "routine": {"()": "hosting.logs.RoutineTaskFilter"},
+    },
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain" if LOG_FORMAT == "plain" else "json",
+            "filters": ["routine", "ids"],
+        },
+    },
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
         "django.request": {"level": "ERROR"},
@@ -342,6 +358,8 @@ LOGGING = {
         "openai": {"level": "WARNING"},
     },
 }
+# Celery workers and beat log through the handler above instead of replacing it.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 # --- Observability: metrics, traces, the /try/ page (docs/observability.md) ---------------
 # off | token (/metrics behind AAP_METRICS_TOKEN) | port (an internal port, no auth).

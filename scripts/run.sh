@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# `make run`: migrate, seed the demo tenant, then serve on http://$HOST:$PORT with Daphne.
+# `make run`: migrate, seed the demo tenant and agent when absent (edits made in admin are
+# kept), then serve on http://$HOST:$PORT with Daphne. The demo token printed is the same on
+# every start (its plaintext is kept in var/demo_token; delete that file for a new one).
 #
 #   HOST (127.0.0.1), PORT (8000)   where Daphne listens
 #   DATABASE_URL                    unset: embedded SQLite under var/
@@ -26,14 +28,21 @@ if [[ ! -x "$PY" ]]; then
 fi
 
 say() { printf '==> %s\n' "$*" >&2; }
+# Logs for a terminal: text lines with tenant/session/turn ids (containers default to JSON lines).
+export LOG_FORMAT=${LOG_FORMAT:-plain}
 
 # --- Database and demo data ------------------------------------------------------------
 if [[ -n "${DATABASE_URL:-}" ]]; then
     say "database: ${DATABASE_URL%%://*}://… (DATABASE_URL)"
+    # One sentence (no traceback, no 30 s of pool retries) when the database cannot be used.
+    if ! db_error=$("$PY" manage.py check_database 2>&1 >/dev/null); then
+        echo "run.sh: ${db_error#CommandError: }" >&2
+        exit 1
+    fi
 else
     say "database: embedded SQLite under ${HOSTING_VAR_DIR:-var}/ (set DATABASE_URL for PostgreSQL)"
 fi
-"$PY" manage.py migrate --noinput
+"$PY" manage.py migrate --noinput -v0
 
 seed_args=()
 if [[ -n "${OPENAI_API_KEY:-}" || -n "${OPENAI_BASE_URL:-}" ]]; then
@@ -61,7 +70,7 @@ BASE_URL="http://$url_host:$PORT"
 
 cat <<EOF
 
-  Demo tenant token (tenant 'demo'):
+  Demo tenant token (tenant 'demo'; the same on every start, kept in ${HOSTING_VAR_DIR:-var}/demo_token):
 
     export TOKEN=$TOKEN
 

@@ -20,6 +20,7 @@ from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
 from agents.selectors import agent_definition, server_tool_specs
 from hosting import crypto, metrics
 from hosting.errors import BadRequest, Conflict, NotFound, describe_failure
+from hosting.logs import bind_log_context
 
 from . import admission, dispatch, events, host, idempotency_keys, liveness, turn_store
 from .models import IdempotencyKey, Message, Session, Turn, new_turn_id
@@ -549,6 +550,7 @@ def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn) -> None:
     session = _with_db_retry(turn_store.session_for_turn, claimed.session_pk)
     if session is None:
         return
+    bind_log_context(tenant=session.tenant_name, session=session.public_id)
     try:
         plan, compacted = _with_db_retry(_plan, turn_id, claimed, session)
     except Exception as exc:

@@ -7,12 +7,15 @@ from celery import shared_task
 from django.conf import settings
 from django.db import close_old_connections
 
+from hosting.logs import log_context
+
 from . import services
 
 
 @shared_task(name="sessions_app.tasks.run_turn", ignore_result=True)
 def run_turn(turn_id: str) -> None:
-    services.turn_execute(turn_id)
+    with log_context(turn=turn_id):
+        services.turn_execute(turn_id)
 
 
 @shared_task(name="sessions_app.tasks.sweep_stale_turns", ignore_result=True)
@@ -28,7 +31,8 @@ def _embedded_pool() -> ThreadPoolExecutor:
 def _run_embedded(turn_id: str) -> None:
     close_old_connections()
     try:
-        services.turn_execute(turn_id)
+        with log_context(turn=turn_id):
+            services.turn_execute(turn_id)
     finally:
         close_old_connections()
 

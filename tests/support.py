@@ -45,6 +45,16 @@ def wait_for_health(web: subprocess.Popen, base_url: str, log, timeout: float = 
     raise RuntimeError(f"daphne did not become healthy within {timeout:.0f} s")
 
 
+def log_message(line: str) -> str:
+    """The message of one log line: JSON lines (the default) or plain text."""
+    if line.startswith("{"):
+        try:
+            return str(json.loads(line).get("message", ""))
+        except ValueError:
+            pass
+    return line
+
+
 # --- SSE ---------------------------------------------------------------------------------
 
 
@@ -271,7 +281,7 @@ class Stack:
             if self.worker.poll() is not None:
                 raise RuntimeError(f"celery worker exited:\n{log_path.read_text()[-3000:]}")
             tail = log_path.read_text()[-5000:] if log_path.exists() else ""
-            if any(ready in line and line.endswith(" ready.") for line in tail.splitlines()):
+            if any(ready in text and text.endswith(" ready.") for text in map(log_message, tail.splitlines())):
                 return
             time.sleep(0.2)
         raise RuntimeError("celery worker did not become ready")

@@ -144,3 +144,143 @@ def test_agent_admin_lists_agents_and_who_may_use_them(admin_client, db_access):
     assert "echo-private" in html and "echo-off" in html
     row = html[html.index("echo-private"):]
     assert "other" in row[: row.index("</tr>")]
+
+
+# --- what a first-timer meets ------------------------------------------------------------------
+
+
+def test_a_secret_typed_in_a_form_with_an_error_is_never_rendered_back(admin_client, db_access):
+    from agents.models import Agent
+
+    name = f"t16-admin-{uuid.uuid4().hex[:6]}"
+    typed_masked = f"sk-masked-{uuid.uuid4().hex}"
+    typed_plain = f"sk-plain-{uuid.uuid4().hex}"
+    for fields in ({"secret_value": typed_masked}, {"default": typed_plain}):
+        data = agent_form(name, option={"type": "secret", **fields})
+        data["version"] = "not a version"  # the bad field
+        response = admin_client.post("/admin/agents/agent/add/", data)
+        assert response.status_code == 200
+        html = response.content.decode()
+        assert "Use a semantic version such as 1.0.0." in html
+        assert typed_masked not in html and typed_plain not in html
+    assert not Agent.objects.filter(name=name).exists()
+
+
+def test_options_keep_only_what_their_type_uses(admin_client, db_access):
+    from agents.models import Agent, AgentOption
+
+    name = f"t16-admin-{uuid.uuid4().hex[:6]}"
+    data = agent_form(name, option={"type": "select", "name": "style", "choices": "plain\n upper \n\n", "default": "upper"})
+    response = admin_client.post("/admin/agents/agent/add/", data)
+    assert response.status_code == 302, form_errors(response)
+    option = AgentOption.objects.get(agent__name=name, name="style")
+    assert option.choices == ["plain", "upper"] and option.default == "upper"
+
+    # Turned into a text option: the hidden choices are dropped, not an error.
+    agent = Agent.objects.get(name=name)
+    data = agent_form(name, option={"type": "text", "name": "style", "choices": "plain\nupper", "default": "hi"},
+                      option_pk=option.pk, agent_pk=agent.pk)
+    response = admin_client.post(f"/admin/agents/agent/{agent.pk}/change/", data)
+    assert response.status_code == 302, form_errors(response)
+    option.refresh_from_db()
+    assert option.choices == [] and option.default == "hi"
+
+    # A select default outside its choices says so.
+    data = agent_form(name, option={"type": "select", "name": "style", "choices": "a\nb", "default": "c"},
+                      option_pk=option.pk, agent_pk=agent.pk)
+    response = admin_client.post(f"/admin/agents/agent/{agent.pk}/change/", data)
+    assert response.status_code == 200 and "The default must be one of the choices." in response.content.decode()
+
+
+def test_a_malformed_json_field_says_where_and_shows_an_example(admin_client, db_access):
+    name = f"t16-admin-{uuid.uuid4().hex[:6]}"
+    data = agent_form(name, option={"type": "text", "name": "note"})
+    data["runtime_config"] = "{window: 5}"
+    response = admin_client.post("/admin/agents/agent/add/", data)
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "This is not valid JSON" in html and "line 1, column 2" in html
+    assert "Example: {&quot;window&quot;: 20}" in html
+    # The help beside the field shows each runtime kind's example and schema.
+    for kind in ("echo", "openai", "acp"):
+        assert f'data-kind="{kind}"' in html
+    assert "systemPrompt" in html and "&quot;command&quot;" in html
+
+
+def test_an_openai_agent_without_a_model_is_refused_at_save_time(admin_client, db_access):
+    from agents.models import Agent
+
+    name = f"t16-llm-{uuid.uuid4().hex[:6]}"
+    data = agent_form(name, option={"type": "text", "name": "note"})
+    data.update(runtime_kind="openai", runtime_config="{}")
+    response = admin_client.post("/admin/agents/agent/add/", data)
+    assert response.status_code == 200
+    assert "An openai agent needs a model to call" in response.content.decode()
+    assert not Agent.objects.filter(name=name).exists()
+
+    # Either source of a model is enough (a model option the application may set, or the configuration).
+    data = agent_form(name, option={"type": "text", "name": "model", "default": ""})
+    data.update(runtime_kind="openai", runtime_config="{}")
+    assert admin_client.post("/admin/agents/agent/add/", data).status_code == 302
+    other = f"t16-llm-{uuid.uuid4().hex[:6]}"
+    data = agent_form(other, option={"type": "text", "name": "note"})
+    data.update(runtime_kind="openai", runtime_config='{"model": "gpt-4o-mini"}')
+    assert admin_client.post("/admin/agents/agent/add/", data).status_code == 302
+
+
+def test_a_tenant_added_in_admin_gets_a_first_token_shown_once(admin_client, db_access):
+    from hosting.authentication import tenant_for_raw_token
+    from hosting.models import ApiToken, Tenant
+
+    name = f"t16-tenant-{uuid.uuid4().hex[:6]}"
+    response = admin_client.post("/admin/hosting/tenant/add/", {
+        "name": name, "title": "From admin", "is_active": "on", "_save": "Save",
+        "tokens-TOTAL_FORMS": "0", "tokens-INITIAL_FORMS": "0", "tokens-MIN_NUM_FORMS": "0", "tokens-MAX_NUM_FORMS": "1000",
+    }, follow=True)
+    assert response.status_code == 200, form_errors(response)
+    shown = " ".join(str(message) for message in response.context["messages"])
+    raw = re.search(r"aap_[0-9a-f]{8}_[A-Za-z0-9_-]{20,}", shown).group(0)
+    tenant = Tenant.objects.get(name=name)
+    assert tenant_for_raw_token(raw).pk == ApiToken.objects.get(tenant=tenant).pk
+    page = admin_client.get(f"/admin/hosting/tenant/{tenant.pk}/change/").content.decode()
+    assert raw not in page
+
+
+def test_usage_reads_as_llm_usage_and_view_site_leads_to_the_api_docs(admin_client, db_access):
+    tenants = admin_client.get("/admin/hosting/tenant/").content.decode()
+    assert "LLM prompt tokens" in tenants and "LLM completion tokens" in tenants
+    index = admin_client.get("/admin/").content.decode()
+    assert 'href="/v1/docs"' in index
+    assert admin_client.get("/v1/docs").status_code == 200
+
+
+def test_a_sessions_page_shows_its_conversation(admin_client, db_access, demo):
+    from sessions_app.models import Session
+
+    session_id = demo.create_session("echo", agent={"tools": [{"name": "clock", "trust": True}]})
+    first = demo.turn(session_id, text="hello <b>admin</b>")
+    assert first.stop_reason == "end_turn"
+    second = demo.turn(session_id, text="/tool clock {}")
+    assert second.stop_reason == "end_turn"
+    session = Session.objects.get(public_id=session_id)
+    html = admin_client.get(f"/admin/sessions_app/session/{session.pk}/change/").content.decode()
+    assert "hello &lt;b&gt;admin&lt;/b&gt;" in html, "the user's text, escaped"
+    assert "echo: hello &lt;b&gt;admin&lt;/b&gt;" in html
+    assert 'class="aap-tool-call">tool call <b>clock</b>' in html
+    assert "tool clock returned:" in html
+    assert html.count('class="aap-stop-reason">end_turn<') == 2
+    assert first.turn_id in html and second.turn_id in html
+    assert "LLM usage" in html
+
+
+def test_an_agents_file_with_an_openai_agent_without_a_model_is_refused(db_access):
+    from agents.models import Agent
+    from agents.services import AgentFileError, agents_apply
+
+    name = f"t16-file-{uuid.uuid4().hex[:6]}"
+    entry = {"name": name, "runtime": {"kind": "openai", "config": {"systemPrompt": "Hi."}}}
+    with pytest.raises(AgentFileError, match=f"Agent '{name}': An openai agent needs a model to call"):
+        agents_apply([entry])
+    assert not Agent.objects.filter(name=name).exists()
+    agents_apply([{**entry, "options": [{"type": "text", "name": "model", "default": "gpt-4o-mini"}]}])
+    assert Agent.objects.filter(name=name, runtime_kind="openai").exists()

@@ -1,0 +1,23 @@
+"""Checks of an agent as a whole (its runtime with its options), shared by the admin form
+and `apply_agents`, so an agent that could not run a single turn is never saved."""
+
+from __future__ import annotations
+
+
+def model_source_error(runtime_kind: str, runtime_config, options: list[dict]) -> str | None:
+    """Why an agent of this kind would have no model to call, or None.
+
+    An `openai` agent takes its model from a `model` option (its default, or the value the
+    application sets) or else from `model` in its runtime configuration.
+    """
+    if runtime_kind != "openai":
+        return None
+    config = runtime_config if isinstance(runtime_config, dict) else {}
+    if str(config.get("model") or "").strip():
+        return None
+    if any(isinstance(option, dict) and option.get("name") == "model" for option in options):
+        return None
+    return (
+        "An openai agent needs a model to call: put \"model\" in the runtime configuration "
+        "(e.g. {\"model\": \"gpt-4o-mini\"}) or add a text option named 'model'."
+    )

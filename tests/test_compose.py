@@ -1,0 +1,455 @@
+"""The Docker Compose deployment, checked without a Docker engine.
+
+Static: docker-compose.yml and the Dockerfile are parsed; every setting the code reads
+reaches the app containers, every command, script and path they name exists in the image
+layout, the web port is on loopback, and `--scale worker=N` stays under PostgreSQL's
+max_connections. Live: deploy/entrypoint.sh runs its roles as the containers would
+(first-run, init, web, worker against a fresh PostgreSQL database and a Redis database of
+their own), the deployment serves the agents of the mounted file, and the healthchecks
+pass with a public-only ALLOWED_HOSTS.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import pytest
+import yaml
+
+from .support import BIN, PYTHON, ROOT, free_port, log_message
+
+APP_SERVICES = ("init", "web", "worker", "beat")
+ENV_READ = re.compile(
+    r"""(?:os\.environ\.get|os\.environ\[|os\.getenv|env_bool|env_list|env_int|env_float)\(?\s*["']([A-Z][A-Z0-9_]+)["']"""
+)
+TEST_ONLY = {"DATABASE_TEST_NAME"}  # set by scripts/test.sh for the suite's own database
+SHELL_VAR = re.compile(r"\$\{([A-Z][A-Z0-9_]*)")
+
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(instruction, arguments) pairs, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def image_env() -> set[str]:
+    names = set()
+    for word, rest in dockerfile():
+        if word == "ENV":
+            names.update(re.findall(r"([A-Z][A-Z0-9_]*)=", rest))
+    return names
+
+
+def env_example() -> set[str]:
+    """Every variable .env.example sets or documents (commented `# NAME=` lines)."""
+    return set(re.findall(r"^#?\s*([A-Z][A-Z0-9_]*)=", (ROOT / ".env.example").read_text(), re.M))
+
+
+def settings_env() -> set[str]:
+    return set(ENV_READ.findall((ROOT / "hosting" / "settings.py").read_text())) - TEST_ONLY
+
+
+def entrypoint_roles() -> set[str]:
+    text = (ROOT / "deploy" / "entrypoint.sh").read_text()
+    case = text[text.index('case "$role" in'):]
+    return {label.strip() for label in re.findall(r"^\s{4}([a-z-]+)\)", case, re.M)}
+
+
+def dockerignored(path: str) -> bool:
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+    parts = Path(path).parts
+    return any(fnmatch.fnmatch(path, p.lstrip("*/")) or p in parts for p in patterns)
+
+
+def image_path(path: str) -> Path | None:
+    """The repository file an absolute path of the image comes from (COPY . . into /app)."""
+    if path.startswith("/app/"):
+        return ROOT / path.removeprefix("/app/")
+    return None
+
+
+def default_of(expression: str) -> str:
+    """The value of a compose `${NAME:-default}` expression when NAME is unset."""
+    return re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", expression)
+
+
+# --- static -------------------------------------------------------------------------------
+
+
+def test_every_setting_the_code_reads_reaches_the_app_containers():
+    services = compose()["services"]
+    documented = env_example()
+    for name in APP_SERVICES:
+        service = services[name]
+        assert service.get("env_file") == ".env", f"{name}: every .env line must reach it (env_file: .env)"
+        reaching = set(service["environment"]) | documented | image_env()
+        missing = sorted(settings_env() - reaching)
+        assert not missing, f"{name} never gets {missing}: pass them in docker-compose.yml or document them in .env.example"
+    # The environment of the app containers is the same everywhere (one key, one database).
+    assert len({id(services[name]["environment"]) for name in APP_SERVICES}) == 1
+
+
+def test_every_documented_setting_is_read_by_something():
+    read = settings_env() | {"OPENAI_BASE_URL", "OPENAI_API_KEY", "OPENAI_MODEL"}  # agents files (defaultEnv)
+    read |= set(SHELL_VAR.findall((ROOT / "deploy" / "entrypoint.sh").read_text()))
+    read |= set(SHELL_VAR.findall((ROOT / "docker-compose.yml").read_text()))
+    read |= set(SHELL_VAR.findall((ROOT / "deploy" / "healthcheck.py").read_text()))
+    read |= set(re.findall(r"environ\.get\(\"([A-Z_]+)\"", (ROOT / "deploy" / "healthcheck.py").read_text()))
+    read |= set(re.findall(r"\{\$([A-Z_]+)\}", (ROOT / "deploy" / "Caddyfile").read_text()))
+    unused = sorted(env_example() - read)
+    assert not unused, f".env.example documents settings nothing reads: {unused}"
+
+
+def test_commands_scripts_and_paths_exist_in_the_image():
+    steps = dockerfile()
+    entrypoint = [rest for word, rest in steps if word == "ENTRYPOINT"][-1]
+    entry_path = yaml.safe_load(entrypoint)[0]
+    source = image_path(entry_path)
+    assert source is not None and source.is_file(), entry_path
+    assert os.access(source, os.X_OK), f"{entry_path} must be executable"
+    mode = subprocess.run(["git", "ls-files", "-s", str(source.relative_to(ROOT))], cwd=ROOT, capture_output=True,
+                          text=True).stdout.split()
+    assert mode and mode[0] == "100755", "the entrypoint is committed executable (a fresh clone builds a working image)"
+    assert not dockerignored("deploy/entrypoint.sh") and not dockerignored("manage.py")
+    assert ("WORKDIR", "/app") in steps and ("COPY", ". .") in steps
+    made = " ".join(rest for word, rest in steps if word == "RUN")
+    roles = entrypoint_roles()
+    assert {"web", "worker", "beat", "init", "first-run"} <= roles
+    assert yaml.safe_load([rest for word, rest in steps if word == "CMD"][-1])[0] in roles
+
+    services = compose()["services"]
+    for name in APP_SERVICES:
+        service = services[name]
+        assert service["command"][0] in roles, f"{name}: {service['command']} is no role of the entrypoint"
+        for volume in service.get("volumes", []):
+            source_path, target = volume.split(":")[:2]
+            if source_path.startswith("./"):
+                assert (ROOT / source_path).is_file(), f"{name} mounts {source_path}, which the repository lacks"
+            elif target.startswith("/data/"):
+                assert target in made, f"{name}: the image never creates {target} (owned by its user)"
+        check = service.get("healthcheck")
+        if name != "init":
+            assert check, f"{name} has no healthcheck"
+            for word in check["test"][1:]:
+                if word.startswith("/app/"):
+                    assert image_path(word).is_file() and not dockerignored(word.removeprefix("/app/")), word
+            assert check["test"][-1] == name
+    assert services["init"]["volumes"][0].endswith(":/config/agents.yaml:ro")
+    assert services["init"]["environment"]["AAP_AGENTS_FILE"] == "/config/agents.yaml"
+    caddy = services["caddy"]
+    assert (ROOT / caddy["volumes"][0].split(":")[0]).is_file()
+    assert "flush_interval -1" in (ROOT / "deploy" / "Caddyfile").read_text()
+    assert "proxy_buffering off" in (ROOT / "deploy" / "nginx.conf.example").read_text()
+
+
+def test_the_acp_image_variant_adds_agentao_and_nodejs():
+    steps = dockerfile()
+    args = {rest.split("=")[0] for word, rest in steps if word == "ARG"}
+    assert {"ACP", "NPM_PACKAGES"} <= args
+    acp_step = next(rest for word, rest in steps if word == "RUN" and "$ACP" in rest)
+    assert "nodejs" in acp_step and "npm" in acp_step and "agentao" in acp_step
+    assert "npm install --global $NPM_PACKAGES" in acp_step
+    build_args = compose()["x-app"]["build"]["args"]
+    assert default_of(build_args["ACP"]) == "0"
+
+
+def test_the_web_port_is_published_on_loopback_only_by_default():
+    services = compose()["services"]
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            if name == "caddy":
+                continue  # the TLS front faces the network by design (profile "proxy")
+            host = default_of(str(port)).split(":")[0]
+            assert host == "127.0.0.1", f"{name} publishes {port} beyond loopback"
+    assert services["caddy"]["profiles"] == ["proxy"]
+
+
+@pytest.fixture(scope="module")
+def shims(tmp_path_factory) -> Path:
+    """daphne and celery stand-ins that print what the entrypoint hands them."""
+    path = tmp_path_factory.mktemp("shims")
+    for name in ("daphne", "celery"):
+        shim = path / name
+        shim.write_text('#!/bin/sh\necho "pool=$DATABASE_POOL_MAX args=$*"\n')
+        shim.chmod(0o755)
+    return path
+
+
+def entrypoint_says(shims: Path, role: str, **env) -> str:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_POOL", "WORKER_", "AAP_WEB"))}
+    environ.update(env, PATH=f"{shims}:{environ['PATH']}", HOSTING_VAR_DIR=str(shims / "var"))
+    result = subprocess.run([str(ROOT / "deploy" / "entrypoint.sh"), role], env=environ, capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_scaling_workers_stays_under_postgres_max_connections(shims):
+    services = compose()["services"]
+    max_connections = int(re.search(r"max_connections=(\d+)", default_of(" ".join(services["postgres"]["command"]))).group(1))
+    pools = {}
+    for role in ("web", "worker", "beat"):
+        said = entrypoint_says(shims, role)
+        pools[role] = int(re.search(r"pool=(\d+)", said).group(1))
+    worker = entrypoint_says(shims, "worker")
+    concurrency = int(re.search(r"--concurrency (\d+)", worker).group(1))
+    assert pools["worker"] > concurrency, "a worker's pool serves every thread of it"
+    reserved = 3 + 2  # PostgreSQL's superuser slots, a one-off `run --rm init` or psql
+    workers = 10
+    used = pools["web"] + workers * pools["worker"] + pools["beat"] + reserved
+    assert used <= max_connections, f"--scale worker={workers} needs {used} connections, max_connections={max_connections}"
+    # Both knobs move together: more threads, a bigger pool.
+    assert "pool=20 " in entrypoint_says(shims, "worker", WORKER_CONCURRENCY="16")
+    assert "--concurrency 16" in entrypoint_says(shims, "worker", WORKER_CONCURRENCY="16")
+    assert "pool=7 " in entrypoint_says(shims, "worker", DATABASE_POOL_MAX="7") + " "
+
+
+def test_the_healthcheck_host_is_one_the_service_allows():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("healthcheck", ROOT / "deploy" / "healthcheck.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from django.http.request import validate_host
+
+    for allowed in ("aap.example.com", ".example.com", "*", "127.0.0.1,localhost", " ,aap.example.com"):
+        hosts = [h.strip() for h in allowed.split(",") if h.strip()]
+        os.environ["ALLOWED_HOSTS"] = allowed
+        try:
+            assert validate_host(module.allowed_host(), hosts), allowed
+        finally:
+            del os.environ["ALLOWED_HOSTS"]
+
+
+# --- live: the entrypoint's roles, as the containers run them --------------------------------
+
+
+class Deployment:
+    """deploy/entrypoint.sh run the way docker-compose.yml runs it, against real services."""
+
+    def __init__(self, env: dict, log_dir: Path):
+        self.env, self.log_dir, self.procs = env, log_dir, []
+
+    def run(self, *args: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(ROOT / "deploy" / "entrypoint.sh"), *args], env={**self.env, **env}, cwd=ROOT,
+                              capture_output=True, text=True, timeout=180)
+
+    def start(self, role: str, *args: str, **env: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"deploy-{role}.log", "ab")
+        proc = subprocess.Popen([str(ROOT / "deploy" / "entrypoint.sh"), role, *args], env={**self.env, **env}, cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def log(self, role: str) -> str:
+        path = self.log_dir / f"deploy-{role}.log"
+        return path.read_text() if path.exists() else ""
+
+    def healthcheck(self, role: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PYTHON, str(ROOT / "deploy" / "healthcheck.py"), role], env=self.env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+
+    def stop(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, log_dir):
+    import psycopg
+    from cryptography.fernet import Fernet
+
+    # The suite's server; its maintenance database hosts CREATE/DROP DATABASE.
+    server = urlunsplit(urlsplit(os.environ["DATABASE_URL"])._replace(path="/postgres"))
+    name = f"aap_deploy_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    redis_url = urlunsplit(urlsplit(os.environ["REDIS_URL"])._replace(path="/7"))  # apart from the suite's queues
+    var = tmp_path_factory.mktemp("deploy-var")
+    port = free_port()
+    # The environment docker-compose.yml gives the app containers, with the .env of the README.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AAP_", "DATABASE_", "HOSTING_", "OPENAI_"))}
+    env.update({
+        "PATH": f"{BIN}:{env['PATH']}",
+        "PYTHON": PYTHON,
+        "SECRET_KEY": uuid.uuid4().hex * 2,
+        "HOSTING_ENCRYPTION_KEYS": Fernet.generate_key().decode(),
+        "DATABASE_URL": urlunsplit(urlsplit(server)._replace(path="/" + name)),
+        "REDIS_URL": redis_url,
+        "AAP_WORKSPACE_ROOT": str(var / "workspaces"),
+        "HOSTING_VAR_DIR": str(var),
+        "AAP_AGENTS_FILE": str(ROOT / "deploy" / "agents.yaml"),
+        "ALLOWED_HOSTS": "aap.example.com",  # a public name only: the healthcheck must still pass
+        "PORT": str(port),
+        "BIND_ADDRESS": "127.0.0.1",
+        "WORKER_CONCURRENCY": "2",
+        "LOG_LEVEL": "INFO",
+    })
+    deploy = Deployment(env, log_dir)
+    deploy.base_url = f"http://127.0.0.1:{port}"
+    try:
+        yield deploy
+    finally:
+        deploy.stop()
+        with psycopg.connect(server, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_the_deployment_serves_the_mounted_agents_and_its_first_tenant(deployment):
+    first = deployment.run("first-run")
+    assert first.returncode == 0, first.stderr
+    token = first.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"aap_[0-9a-f]{8}_[A-Za-z0-9_-]{20,}", token), first.stdout
+    assert "applied the agents of" in first.stderr
+
+    # Every later `up` runs init again: idempotent, and no token is ever printed again.
+    again = deployment.run("first-run")
+    assert again.returncode == 0, again.stderr
+    assert not re.search(r"aap_[0-9a-f]{8}_", again.stdout + again.stderr), again.stdout
+    assert "exists" in again.stderr
+    assert deployment.run("init").returncode == 0
+
+    web = deployment.start("web")
+    worker = deployment.start("worker")
+    headers = {"Host": "aap.example.com", "Authorization": f"Bearer {token}"}
+    deadline = time.monotonic() + 90
+    while True:
+        assert web.poll() is None, deployment.log("web")[-3000:]
+        try:
+            if httpx.get(deployment.base_url + "/healthz", headers=headers, timeout=3).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the web role did not become healthy"
+        time.sleep(0.3)
+
+    meta = httpx.get(deployment.base_url + "/v1/meta", headers=headers, timeout=10).json()
+    mounted = [a["name"] for a in yaml.safe_load((ROOT / "deploy" / "agents.yaml").read_text())["agents"]]
+    assert [a["name"] for a in meta["agents"]] == mounted
+
+    # The worker role runs the tenant's turns.
+    while not any(" ready." in log_message(line) for line in deployment.log("worker").splitlines()):
+        assert worker.poll() is None, deployment.log("worker")[-3000:]
+        assert time.monotonic() < deadline + 60, "the worker role did not become ready"
+        time.sleep(0.3)
+    session = httpx.post(deployment.base_url + "/v1/sessions", headers=headers, json={"agent": {"name": "echo"}}, timeout=10)
+    assert session.status_code == 201, session.text
+    turn = httpx.post(f"{deployment.base_url}/v1/sessions/{session.json()['sessionId']}/turns", headers=headers,
+                      json={"messages": [{"role": "user", "content": "hello deploy"}]}, timeout=60)
+    assert turn.status_code == 200, turn.text
+    assert "echo: hello deploy" in turn.text
+
+    # The containers' healthchecks pass with a public name as the only allowed host...
+    for role in ("web", "worker"):
+        result = deployment.healthcheck(role)
+        assert result.returncode == 0, f"{role}: {result.stderr}"
+    # ...where the API refuses a request naming 127.0.0.1.
+    assert httpx.get(deployment.base_url + "/v1/meta", headers={"Authorization": f"Bearer {token}"},
+                     timeout=5).status_code == 400
+    assert token not in deployment.log("web") + deployment.log("worker")
+
+
+
+def test_init_seeds_the_demo_on_request_without_printing_a_token(deployment):
+    result = deployment.run("init", AAP_SEED_DEMO="true")
+    assert result.returncode == 0, result.stderr
+    assert not re.search(r"aap_[0-9a-f]{8}_", result.stdout + result.stderr), "no token in a container's log"
+    count = deployment.run("python", "manage.py", "shell", "-v", "0", "-c",
+                           "from hosting.models import ApiToken, Tenant;"
+                           "print(Tenant.objects.filter(name='demo').count(), ApiToken.objects.filter(tenant__name='demo').count())")
+    assert count.stdout.split() == ["1", "0"], count.stderr
+
+def test_init_says_in_one_sentence_when_the_database_is_missing(deployment):
+    env = dict(deployment.env, DATABASE_URL=deployment.env["DATABASE_URL"] + "_absent", AAP_DATABASE_WAIT_SECONDS="1")
+    result = subprocess.run([str(ROOT / "deploy" / "entrypoint.sh"), "init"], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode != 0
+    assert "has no database" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+
+def test_the_readme_deploy_steps_name_services_roles_and_files_that_exist():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Deploy with Docker Compose"):]
+    section = section[: section.index("\n## ", 4)]
+    block = section[section.index("```sh") + 5: section.index("```", section.index("```sh") + 5)]
+    services, roles = compose()["services"], entrypoint_roles()
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
+    assert commands[0] == "cp .env.example .env" and (ROOT / ".env.example").is_file()
+    seen_first_run = False
+    for command in commands:
+        words = command.split()
+        if words[:2] == ["docker", "compose"]:
+            if "run" in words:
+                service = words[words.index("--rm") + 1]
+                assert service in services, command
+                role = words[words.index(service) + 1]
+                assert role in roles, command
+                seen_first_run |= role == "first-run"
+            if "exec" in words:
+                assert words[words.index("exec") + 1] in services, command
+        for word in words:
+            if word.startswith("deploy/"):
+                assert (ROOT / word).is_file(), command
+    assert seen_first_run, "the walk-through creates the first tenant"
+    # The agents file the walk-through edits is the one the init service mounts.
+    assert services["init"]["volumes"][0].startswith("./deploy/agents.yaml:")
+    # Every setting the deploy section names is one .env.example documents.
+    named = set(re.findall(r"`([A-Z][A-Z0-9_]{3,})`", section))
+    assert named <= env_example(), sorted(named - env_example())
+
+
+def test_the_beat_role_logs_its_sweeps_at_debug_and_its_healthcheck_follows_its_file(deployment):
+    # At DEBUG, to see the sweeps it sends: each line about one must say DEBUG, never INFO.
+    beat = deployment.start("beat", LOG_LEVEL="DEBUG")
+    var = Path(deployment.env["HOSTING_VAR_DIR"])
+    deadline = time.monotonic() + 60
+    while not list(var.glob("celerybeat-schedule*")):
+        assert beat.poll() is None, deployment.log("beat")[-3000:]
+        assert time.monotonic() < deadline, "beat wrote no schedule file"
+        time.sleep(0.3)
+    assert deployment.healthcheck("beat").returncode == 0
+
+    def sweep_lines() -> list[dict]:
+        lines = [json.loads(line) for line in deployment.log("beat").splitlines() if line.startswith("{")]
+        return [line for line in lines if "sweep" in line.get("message", "")]
+
+    while not sweep_lines():  # due every 10 s
+        assert beat.poll() is None, deployment.log("beat")[-3000:]
+        assert time.monotonic() < deadline + 30, "beat sent no sweep"
+        time.sleep(0.5)
+    assert {line["level"] for line in sweep_lines()} == {"DEBUG"}
+
+    os.killpg(beat.pid, signal.SIGTERM)
+    beat.wait(20)
+    old = time.time() - 3600
+    for path in var.glob("celerybeat-schedule*"):
+        os.utime(path, (old, old))
+    stale = deployment.healthcheck("beat")
+    assert stale.returncode == 1 and "not been written" in stale.stderr

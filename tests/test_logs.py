@@ -1,0 +1,76 @@
+"""Structured logs: JSON lines carrying the tenant, session and turn of the work at hand,
+and the routine sweep kept out of INFO."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import logging.config
+import time
+
+import pytest
+
+from hosting.logs import bind_log_context, current_log_context, log_context
+
+
+
+@pytest.fixture
+def captured(settings):
+    """The LOGGING of hosting/settings.py, writing to a buffer."""
+    config = json.loads(json.dumps(settings.LOGGING))
+    buffer = io.StringIO()
+    config["handlers"]["console"]["stream"] = "ext://sys.stdout"
+    logging.config.dictConfig(config)
+    handler = logging.getLogger().handlers[0]
+    handler.setStream(buffer)
+    yield lambda: [json.loads(line) for line in buffer.getvalue().splitlines()]
+    logging.config.dictConfig(settings.LOGGING)
+
+
+def test_lines_about_a_turn_carry_its_ids_and_others_do_not(captured):
+    log = logging.getLogger("sessions_app.host")
+    with log_context(turn="turn_abc"):
+        bind_log_context(tenant="demo", session="sess_xyz")
+        log.warning("server tool %s failed: %s", "clock", "TimeoutError")
+        with log_context(turn="turn_inner"):
+            log.info("nested")
+    log.info("outside")
+    lines = captured()
+    assert lines[0] == {**lines[0], "level": "WARNING", "logger": "sessions_app.host", "tenant": "demo",
+                        "session": "sess_xyz", "turn": "turn_abc", "message": "server tool clock failed: TimeoutError"}
+    assert "time" in lines[0]
+    assert lines[1]["turn"] == "turn_inner" and lines[1]["session"] == "sess_xyz"
+    assert lines[2]["message"] == "outside" and not {"tenant", "session", "turn"} & set(lines[2])
+    assert current_log_context() == {}
+
+
+def test_the_routine_sweep_logs_at_debug_only(captured):
+    logging.getLogger("celery.beat").info(
+        "Scheduler: Sending due task sweep-stale-turns (sessions_app.tasks.sweep_stale_turns)")
+    logging.getLogger("celery.worker.strategy").info("Task sessions_app.tasks.sweep_stale_turns[1f] received")
+    logging.getLogger("celery.app.trace").info("Task sessions_app.tasks.sweep_stale_turns[1f] succeeded in 0.01s: 0")
+    logging.getLogger("celery.app.trace").info("Task sessions_app.tasks.run_turn[2a] succeeded in 0.2s: None")
+    logging.getLogger("sessions_app.services").warning("turn turn_q was lost (running); ended with error")
+    assert [line["message"] for line in captured()] == [
+        "Task sessions_app.tasks.run_turn[2a] succeeded in 0.2s: None",
+        "turn turn_q was lost (running); ended with error",
+    ]
+
+
+def test_a_failing_turn_is_logged_by_the_worker_with_its_ids(demo, log_dir):
+    session_id = demo.create_session("echo")
+    result = demo.turn(session_id, text="/error")
+    assert result.stop_reason == "error"
+    deadline = time.monotonic() + 30
+    while True:
+        lines = [json.loads(line) for line in (log_dir / "pg-celery.log").read_text().splitlines()
+                 if line.startswith("{")]
+        mine = [line for line in lines if line.get("turn") == result.turn_id]
+        if mine or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert mine, "the worker logged the failed turn with its id"
+    for line in mine:
+        assert line["session"] == session_id and line["tenant"] == "demo", line
+    assert any(line["level"] == "ERROR" and result.turn_id in line["message"] for line in mine)
