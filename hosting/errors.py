@@ -13,6 +13,8 @@ from rest_framework import exceptions, status
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 
+from .middleware_base import HybridMiddleware
+
 logger = logging.getLogger(__name__)
 
 
@@ -190,19 +192,8 @@ class LimitedJSONParser(JSONParser):
         return data
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HybridMiddleware):
     """Refuse a declared Content-Length over the limit before anything reads the body."""
-
-    sync_capable = True
-    async_capable = True
-
-    def __init__(self, get_response):
-        from asgiref.sync import iscoroutinefunction, markcoroutinefunction
-
-        self.get_response = get_response
-        self.is_async = iscoroutinefunction(get_response)
-        if self.is_async:
-            markcoroutinefunction(self)
 
     def _too_large(self, request):
         try:

@@ -19,6 +19,7 @@ from functools import cache
 from django.conf import settings
 
 from .errors import ApiError
+from .middleware_base import HybridMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -217,22 +218,11 @@ def ratelimit_headers(state: RateState) -> dict[str, str]:
     }
 
 
-class RateLimitHeadersMiddleware:
+class RateLimitHeadersMiddleware(HybridMiddleware):
     """Adds `RateLimit-Policy` / `RateLimit` to every response of an authenticated tenant.
 
     No I/O here (it runs on the event loop): authentication read the window on the view's
     thread and left it on the tenant (`_aap_rate_state`); a turn start updates it."""
-
-    sync_capable = True
-    async_capable = True
-
-    def __init__(self, get_response):
-        from asgiref.sync import iscoroutinefunction, markcoroutinefunction
-
-        self.get_response = get_response
-        self.is_async = iscoroutinefunction(get_response)
-        if self.is_async:
-            markcoroutinefunction(self)
 
     @staticmethod
     def _decorate(request, response):

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from django.conf import settings
 
+from .middleware_base import HybridMiddleware
+
 # Read before prometheus_client is imported: settings put PROMETHEUS_MULTIPROC_DIR in place.
 _MODE = settings.AAP_METRICS
 
@@ -339,19 +341,11 @@ def _policy_name(response) -> str:
     return _limit(match.group(1)) if match else "unknown"
 
 
-class RequestMetricsMiddleware:
+class RequestMetricsMiddleware(HybridMiddleware):
     """Counts requests and times their response head, by route (the URL pattern, bounded)."""
 
-    sync_capable = True
-    async_capable = True
-
     def __init__(self, get_response):
-        from asgiref.sync import iscoroutinefunction, markcoroutinefunction
-
-        self.get_response = get_response
-        self.is_async = iscoroutinefunction(get_response)
-        if self.is_async:
-            markcoroutinefunction(self)
+        super().__init__(get_response)
         start_serving()
 
     def __call__(self, request):

@@ -3,25 +3,17 @@ Content-Security-Policy. Both are async-native (no thread hop on the API's path)
 
 from __future__ import annotations
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.core.exceptions import DisallowedHost
 
 from .errors import json_error
+from .middleware_base import HybridMiddleware
 
 # Answered whatever Host says: the container's healthcheck calls it by address.
 HOST_EXEMPT_PATHS = ("/healthz",)
 
 
-class _Middleware:
-    sync_capable = True
-    async_capable = True
-
-    def __init__(self, get_response):
-        self.get_response = get_response
-        self.is_async = iscoroutinefunction(get_response)
-        if self.is_async:
-            markcoroutinefunction(self)
+class _Middleware(HybridMiddleware):
 
     def __call__(self, request):
         if self.is_async:

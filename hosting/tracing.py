@@ -19,6 +19,8 @@ import threading
 
 from django.conf import settings
 
+from .middleware_base import HybridMiddleware
+
 logger = logging.getLogger(__name__)
 
 _setup_lock = threading.Lock()
@@ -105,20 +107,12 @@ def model_call(method):
     return traced
 
 
-class TracingMiddleware:
+class TracingMiddleware(HybridMiddleware):
     """A server span per request, continuing a caller's `traceparent`; the turn id of a turn
     response becomes an attribute. Route patterns name spans (no ids, no query strings)."""
 
-    sync_capable = True
-    async_capable = True
-
     def __init__(self, get_response):
-        from asgiref.sync import iscoroutinefunction, markcoroutinefunction
-
-        self.get_response = get_response
-        self.is_async = iscoroutinefunction(get_response)
-        if self.is_async:
-            markcoroutinefunction(self)
+        super().__init__(get_response)
         setup()
 
     def __call__(self, request):
