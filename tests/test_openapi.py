@@ -181,36 +181,20 @@ def test_responses_match_the_documented_shapes(document, demo):
         _validator(document, answer["content"]["application/json"]["schema"]).validate(response.json())
 
 
-def _docs_in_browser(url: str) -> list[str]:
+def _docs_violations(browser, url: str) -> list[str]:
     """Open /v1/docs in headless Chromium; the Content-Security-Policy violations it logged."""
-    from playwright.sync_api import sync_playwright
-
-    from tests.conftest import CHROMIUM, CHROMIUM_ARGS
-
     violations: list[str] = []
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page()
-            page.on("console", lambda m: violations.append(m.text) if "Content Security Policy" in m.text else None)
-            page.goto(url)
-            page.wait_for_selector("text=AAP v3 hosting API", timeout=30_000)
-            page.get_by_text("/v1/sessions/{session_id}/turns", exact=True).first.wait_for(timeout=30_000)
-        finally:
-            browser.close()
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.on("console", lambda m: violations.append(m.text) if "Content Security Policy" in m.text else None)
+        page.goto(url)
+        page.wait_for_selector("text=AAP v3 hosting API", timeout=30_000)
+        page.get_by_text("/v1/sessions/{session_id}/turns", exact=True).first.wait_for(timeout=30_000)
+    finally:
+        context.close()
     return violations
 
 
-def test_the_docs_page_renders_under_its_content_security_policy(pg_stack):
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tests.conftest import CHROMIUM
-
-    if not os.path.exists(CHROMIUM) and os.environ.get("AAP_REQUIRE_BROWSER") != "1":
-        pytest.skip(f"Chromium is not installed at {CHROMIUM}")
-    # Playwright's sync API runs an event loop in its thread; Django refuses database work in a
-    # thread with a running loop, so the browser gets a thread of its own.
-    with ThreadPoolExecutor(1) as pool:
-        violations = pool.submit(_docs_in_browser, pg_stack.base_url + "/v1/docs").result(timeout=120)
-    assert violations == []
+def test_the_docs_page_renders_under_its_content_security_policy(pg_stack, chromium):
+    assert chromium.call(_docs_violations, pg_stack.base_url + "/v1/docs") == []
