@@ -263,49 +263,35 @@ class Stack:
     def start_worker(self) -> None:
         if not self.uses_redis:
             return
-        node = f"{self.name}-{time.time_ns()}"
-        self.worker = self._spawn(
-            "celery",
-            [str(BIN / "celery"), "-A", "hosting", "worker", "--pool", "threads", "--concurrency", "16",
+        self.worker = self.spawn_worker("celery", 16)
+
+    def spawn_worker(self, label: str, threads: int, timeout: float = 60.0) -> subprocess.Popen:
+        """A Celery worker process on the turn queue, once it said it is ready."""
+        node = f"{self.name}-{label}-{time.time_ns()}"
+        proc = self._spawn(
+            label,
+            [str(BIN / "celery"), "-A", "hosting", "worker", "--pool", "threads", "--concurrency", str(threads),
              "-Q", "aap-turns", "--loglevel", "INFO", "-n", f"{node}@%h", "--without-gossip",
              "--without-mingle", "--without-heartbeat"],
         )
-        self._wait_worker_ready(node=node)
-
-    def _wait_worker_ready(self, timeout: float = 60.0, node: str = "") -> None:
-        log_path = self.log_dir / f"{self.name}-celery.log"
+        log_path = self.log_dir / f"{self.name}-{label}.log"
         deadline = time.monotonic() + timeout
-        # The log is shared by restarted workers: wait for this node's own "ready." line.
-        ready = f"{node}@" if node else ""
+        # A log may be shared by restarted workers: wait for this node's own "ready." line.
         while time.monotonic() < deadline:
-            if self.worker.poll() is not None:
-                raise RuntimeError(f"celery worker exited:\n{log_path.read_text()[-3000:]}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"celery worker {label} exited:\n{log_path.read_text()[-3000:]}")
             tail = log_path.read_text()[-5000:] if log_path.exists() else ""
-            if any(ready in text and text.endswith(" ready.") for text in map(log_message, tail.splitlines())):
-                return
+            if any(f"{node}@" in text and text.endswith(" ready.") for text in map(log_message, tail.splitlines())):
+                return proc
             time.sleep(0.2)
-        raise RuntimeError("celery worker did not become ready")
+        raise RuntimeError(f"celery worker {label} did not become ready")
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
         wait_for_health(self.web, self.base_url, lambda: (self.log_dir / f"{self.name}-daphne.log").read_text(), timeout)
 
     def start_extra_worker(self, label: str, timeout: float = 60.0) -> subprocess.Popen:
         """One more Celery worker process on the turn queue (the caller stops it with SIGTERM)."""
-        proc = self._spawn(
-            label,
-            [str(BIN / "celery"), "-A", "hosting", "worker", "--pool", "threads", "--concurrency", "4",
-             "-Q", "aap-turns", "--loglevel", "INFO", "-n", f"{self.name}-{label}-{time.time_ns()}@%h",
-             "--without-gossip", "--without-mingle", "--without-heartbeat"],
-        )
-        log_path = self.log_dir / f"{self.name}-{label}.log"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"celery worker {label} exited:\n{log_path.read_text()[-3000:]}")
-            if log_path.exists() and "ready." in log_path.read_text()[-5000:]:
-                return proc
-            time.sleep(0.2)
-        raise RuntimeError(f"celery worker {label} did not become ready")
+        return self.spawn_worker(label, 4, timeout)
 
     def kill_worker(self) -> None:
         """SIGKILL the worker, as a crashed machine would."""

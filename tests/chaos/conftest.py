@@ -199,24 +199,9 @@ class ChaosStack(Stack):
     # --- processes ---------------------------------------------------------------------------
 
     def start_named_worker(self, label: str) -> subprocess.Popen:
-        node = f"{label}-{time.time_ns()}"
-        proc = self._spawn(
-            f"worker-{label}",
-            [str(BIN / "celery"), "-A", "hosting", "worker", "--pool", "threads", "--concurrency",
-             str(self.WORKER_THREADS), "-Q", "aap-turns", "--loglevel", "INFO", "-n", f"{node}@%h",
-             "--without-gossip", "--without-mingle", "--without-heartbeat"],
-        )
-        log_path = self.log_dir / f"{self.name}-worker-{label}.log"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"worker {label} exited:\n{log_path.read_text()[-3000:]}")
-            tail = log_path.read_text()[-5000:] if log_path.exists() else ""
-            if any(f"{node}@" in line and line.endswith(" ready.") for line in tail.splitlines()):
-                self.workers[label] = proc
-                return proc
-            time.sleep(0.2)
-        raise RuntimeError(f"worker {label} did not become ready")
+        proc = self.spawn_worker(f"worker-{label}", self.WORKER_THREADS)
+        self.workers[label] = proc
+        return proc
 
     def worker_alive(self, label: str) -> bool:
         proc = self.workers.get(label)
