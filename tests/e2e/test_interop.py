@@ -239,7 +239,10 @@ def test_client_tools_keep_their_key_order(stack, client):
 # --- the turn id at once -----------------------------------------------------------------------------
 
 
-def test_json_turn_sends_its_head_at_once_so_the_client_can_cancel(stack, client):
+def test_json_turn_sends_its_head_at_once_so_the_client_can_cancel(cors_web):
+    # cors_web pings once a minute: a head that waited for the first body byte would come
+    # after this 20 s turn had ended, too late to cancel it.
+    stack, client = cors_web, cors_web.client()
     session = client.create_session("echo")
     url = f"{stack.base_url}/v1/sessions/{session}/turns"
     body = {"messages": user("/slow 40 500")}  # 20 s of output, stream "none"
@@ -253,6 +256,7 @@ def test_json_turn_sends_its_head_at_once_so_the_client_can_cancel(stack, client
         result = json.loads(response.read())
     assert result["stopReason"] == "end_turn"
     assert result["_meta"]["cancelled"] is True
+    client.close()
 
 
 # --- a real browser -------------------------------------------------------------------------------
@@ -321,8 +325,9 @@ def page_origin():
 
 @pytest.fixture(scope="module")
 def cors_web(pg_stack, page_origin, log_dir):
-    """A second Daphne of the production stack that allows the page's origin."""
-    web = Stack("cors", {**pg_stack.env, "CORS_ALLOWED_ORIGINS": page_origin}, log_dir)
+    """A second Daphne of the production stack that allows the page's origin. Its keep-alives
+    are a minute apart, so nothing but the head itself can reach a client early."""
+    web = Stack("cors", {**pg_stack.env, "CORS_ALLOWED_ORIGINS": page_origin, "AAP_SSE_PING_SECONDS": "60"}, log_dir)
     web.tokens = dict(pg_stack.tokens)
     try:
         web.start_web()
