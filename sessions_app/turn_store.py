@@ -3,7 +3,7 @@
 Every turn reads and writes the same few rows: the session (locked), the turn, the new
 messages. Through the ORM each statement cost about 1 ms of Python to build, ten times what
 the database spends on it, and that was most of a turn's CPU (docs/performance.md). Here
-each is one prepared string. The rules stay in services.py; this module only moves rows.
+each is one prepared string. The rules stay in the services; this module only moves rows.
 Works on PostgreSQL and on SQLite (the embedded mode).
 """
 
