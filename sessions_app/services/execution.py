@@ -183,6 +183,7 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
             prompt_tokens=outcome.prompt_tokens,
             completion_tokens=outcome.completion_tokens,
             model_calls=outcome.model_calls,
+            produced=bool(outcome.messages),
         )
         reclaimed = not ended and _reclaim_declared_lost(turn_id, session_pk, outcome)
         if not ended and not reclaimed:
@@ -201,7 +202,6 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
             return
         first = last - len(outcome.messages) + 1
         seqs = turn_store.insert_messages(session_pk, first, outcome.messages, turn_id=turn_id)
-        turn_store.set_output_seq(turn_id, first if outcome.messages else 0)
         apply_compaction(session_pk, last, compacted + list(zip(seqs, outcome.messages)), outcome.compaction)
         meta = dict(outcome.stop_meta)
         if outcome.model_calls:
@@ -231,5 +231,5 @@ def _reclaim_declared_lost(turn_id: str, session_pk: int, outcome: host.TurnOutc
     return turn_store.end_turn(
         turn_id, stop_reason=outcome.stop_reason, cancelled=outcome.cancelled, error=outcome.error[:500],
         prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
-        model_calls=outcome.model_calls,
+        model_calls=outcome.model_calls, produced=bool(outcome.messages),
     )

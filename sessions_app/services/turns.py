@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from django.db import transaction
 
-from agents.models import Agent
 from agents.runtimes import runtime_for
 from agents.selectors import agent_definition
 from hosting import metrics
@@ -59,7 +58,7 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         if not agent.enabled:
             raise BadRequest(f"Agent '{agent.name}' is disabled; the operator can enable it again.")
         # Access is checked on every turn: an operator may have restricted the agent since.
-        if not Agent.objects.for_tenant(tenant).filter(pk=agent.pk).exists():
+        if not session.agent_allowed:
             raise BadRequest(f"Agent '{agent.name}' is no longer available to this tenant; ask the operator.")
         agent_config = data.get("agent") or {}
         if agent_config.get("name") not in (None, agent.name):
