@@ -13,8 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -22,6 +25,53 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 BIN = Path(PYTHON).parent
+
+
+@contextmanager
+def serve_pages(pages: dict[str, tuple[bytes, dict[str, str]]], *, default: tuple[bytes, dict[str, str]] | None = None,
+                host: str = "127.0.0.1"):
+    """A static HTTP server on a free port for the duration of the block; yields its base
+    URL. `pages` maps a path to (body, headers); any other path gets `default`, or a 404.
+    Content-Length is added."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            found = pages.get(self.path, default)
+            body, headers = found or (b"not found", {"Content-Type": "text/plain"})
+            self.send_response(200 if found else 404)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://{host}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def llm_agent(name: str, base_url: str, *, api_key: str | None = None, config: dict | None = None,
+              streams: tuple[str, ...] = ("delta", "none"), **more) -> dict:
+    """An `openai` agent definition (apply_agents format) served by a fake model at `base_url`."""
+    options = [{"type": "text", "name": "model", "default": "fake-model"}]
+    if api_key is not None:
+        options.append({"type": "secret", "name": "apiKey", "default": api_key})
+    options.append({"type": "text", "name": "baseUrl", "default": base_url})
+    return {
+        "name": name,
+        "version": "1.0.0",
+        "runtime": {"kind": "openai", "config": config or {"timeoutSeconds": 20, "maxRetries": 0}},
+        "options": options,
+        "capabilities": {"history": {"full": {}}, "stream": {mode: {} for mode in streams}},
+        **more,
+    }
 
 
 def free_port() -> int:
@@ -251,6 +301,16 @@ class Stack:
         if result.returncode != 0:
             raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
         return result.stdout
+
+    def apply_agents(self, agents: list[dict]) -> str:
+        """Apply agent definitions the way an operator does (`manage.py apply_agents FILE`)."""
+        import tempfile
+
+        import yaml
+
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=self.log_dir, delete=False) as file:
+            yaml.safe_dump({"agents": agents}, file)
+        return self.manage("apply_agents", file.name)
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{self.name}-{name}.log", "ab")

@@ -8,16 +8,14 @@ import json
 import resource
 import select
 import socket
-import threading
 import time
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
 
 from tests.fakes.openai_server import FakeOpenAI
-from tests.support import Stack
+from tests.support import Stack, llm_agent, serve_pages
 
 LIMIT = 1_000_000
 HEADERS_TIMEOUT = 2
@@ -181,24 +179,12 @@ def test_malformed_http_gets_a_json_400_and_a_closed_connection(edge, raw):
 
 
 @pytest.fixture(scope="module")
-def fake(pg_stack, tmp_path_factory):
+def fake(pg_stack):
     server = FakeOpenAI().start()
-    agents = [
-        {
-            "name": "llm-guarded",
-            "title": "Operator endpoint on loopback; applications may choose only public ones",
-            "runtime": {"kind": "openai", "config": {"timeoutSeconds": 10, "maxRetries": 0}},
-            "options": [
-                {"type": "text", "name": "model", "default": "fake-model"},
-                {"type": "secret", "name": "apiKey", "default": "sk-operator-guarded"},
-                {"type": "text", "name": "baseUrl", "default": server.url},
-            ],
-            "capabilities": {"stream": {"none": {}}},
-        },
-    ]
-    path = tmp_path_factory.mktemp("edges") / "agents.yaml"
-    path.write_text(yaml.safe_dump({"agents": agents}))
-    pg_stack.manage("apply_agents", str(path))
+    pg_stack.apply_agents([llm_agent(
+        "llm-guarded", server.url, api_key="sk-operator-guarded", config={"timeoutSeconds": 10, "maxRetries": 0},
+        streams=("none",), title="Operator endpoint on loopback; applications may choose only public ones",
+    )])
     yield server
     server.stop()
 
@@ -256,28 +242,14 @@ DOUBLE_BOMB = gzip.compress(BOMB)  # a few KB: "gzip, gzip"
 DEFLATED_PAGE = gzip.compress(b"<p>" + b"hello " * 50_000 + b"</p>")
 
 
-class _Encoded(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802
-        body, encoding = {"/bomb": (BOMB, "gzip"), "/double": (DOUBLE_BOMB, "gzip, gzip"),
-                          "/page": (DEFLATED_PAGE, "gzip"), "/br": (b"\x0b\x02\x80hello\x03", "br")}[self.path]
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html")
-        self.send_header("Content-Encoding", encoding)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def encoded_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Encoded)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    def page(body: bytes, encoding: str) -> tuple[bytes, dict]:
+        return body, {"Content-Type": "text/html", "Content-Encoding": encoding}
+
+    with serve_pages({"/bomb": page(BOMB, "gzip"), "/double": page(DOUBLE_BOMB, "gzip, gzip"),
+                      "/page": page(DEFLATED_PAGE, "gzip"), "/br": page(b"\x0b\x02\x80hello\x03", "br")}) as url:
+        yield url
 
 
 def test_http_fetch_never_inflates_past_its_limit(encoded_server, pg_stack):

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 import yaml
 
 from tests.fakes.openai_server import FakeOpenAI
-from tests.support import AAP, Stack, fold_events, free_port, parse_sse
+from tests.support import AAP, Stack, fold_events, parse_sse, serve_pages
 
 from .test_llm_agent import OPERATOR_KEY, llm_agent
-from .turns import assert_sse_shape, text_reply, user, wait_until
+from .turns import assert_sse_shape, text_reply, user
 
 # What @agentapplicationprotocol/client sends: JSON bodies, `Accept: text/event-stream` on
 # streamed turns, and `Bearer ${apiKey}` even when the key is empty.
@@ -301,26 +299,11 @@ function reattach(api, sessionId, turnId, ticket) {
 </script>"""
 
 
-class _PageHandler(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802
-        body = PAGE.encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def page_origin():
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), _PageHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     # "localhost" and "127.0.0.1" are different origins: the API below is cross-origin.
-    yield f"http://localhost:{server.server_address[1]}"
-    server.shutdown()
+    with serve_pages({}, default=(PAGE.encode(), {"Content-Type": "text/html; charset=utf-8"}), host="localhost") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

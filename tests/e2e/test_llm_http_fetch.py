@@ -4,29 +4,15 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
 
 from tests.fakes.openai_server import FakeOpenAI
+from tests.support import serve_pages
 
 PAGE = b"""<html><head><title>Opening hours</title><style>body{color:red}</style></head>
 <body><h1>Opening hours</h1><script>track()</script><p>Monday to Friday, 9&nbsp;to&nbsp;5.</p></body></html>"""
-
-
-class _Page(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802
-        body, kind = (b"x" * 5000, "text/plain") if self.path == "/big" else (PAGE, "text/html; charset=utf-8")
-        self.send_response(200)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +42,9 @@ def fake(pg_stack, tmp_path_factory):
 
 @pytest.fixture
 def page_url():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serve_pages({"/big": (b"x" * 5000, {"Content-Type": "text/plain"})},
+                     default=(PAGE, {"Content-Type": "text/html; charset=utf-8"})) as url:
+        yield url
 
 
 def fetch_turn(fake, demo, tool: str, urls: list[str]) -> list[str]:

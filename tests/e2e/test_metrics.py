@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fakes.openai_server import FakeOpenAI
 
-from ..support import ROOT
+from ..support import ROOT, llm_agent
 from .observed import METRICS_TOKEN, new_tenant, observed_stack
 
 pytestmark = pytest.mark.e2e
@@ -36,19 +36,7 @@ def metered(pg_stack, log_dir, tmp_path_factory, fake_llm):
     directory = tmp_path_factory.mktemp("prometheus")
     stale = directory / "counter_999999.db"  # a dead process's samples from an earlier run
     stale.write_bytes(b"")
-    agents = tmp_path_factory.mktemp("metered-agents") / "agents.yaml"
-    agents.write_text(yaml.safe_dump({"agents": [{
-        "name": "metered-llm",
-        "version": "1.0.0",
-        "runtime": {"kind": "openai", "config": {"timeoutSeconds": 20, "maxRetries": 0}},
-        "options": [
-            {"type": "text", "name": "model", "default": "fake-model"},
-            {"type": "secret", "name": "apiKey", "default": "sk-metered-operator-key"},
-            {"type": "text", "name": "baseUrl", "default": fake_llm.url},
-        ],
-        "capabilities": {"history": {"full": {}}, "stream": {"delta": {}, "none": {}}},
-    }]}))
-    pg_stack.manage("apply_agents", str(agents))
+    pg_stack.apply_agents([llm_agent("metered-llm", fake_llm.url, api_key="sk-metered-operator-key")])
     stack = observed_stack(
         pg_stack, log_dir, "metered",
         {"AAP_METRICS": "token", "AAP_METRICS_TOKEN": METRICS_TOKEN, "PROMETHEUS_MULTIPROC_DIR": str(directory)},

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 
 import pytest
-import yaml
 
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.otlp_collector import OtlpCollector
+from tests.support import llm_agent
 
 from .observed import observed_stack
 
@@ -34,20 +34,8 @@ def fake_llm():
 
 
 @pytest.fixture(scope="module")
-def traced(pg_stack, log_dir, collector, fake_llm, tmp_path_factory):
-    path = tmp_path_factory.mktemp("traced-agents") / "agents.yaml"
-    path.write_text(yaml.safe_dump({"agents": [{
-        "name": "traced-llm",
-        "version": "1.0.0",
-        "runtime": {"kind": "openai", "config": {"timeoutSeconds": 20, "maxRetries": 0}},
-        "options": [
-            {"type": "text", "name": "model", "default": "fake-model"},
-            {"type": "secret", "name": "apiKey", "default": SECRET},
-            {"type": "text", "name": "baseUrl", "default": fake_llm.url},
-        ],
-        "capabilities": {"history": {"full": {}}, "stream": {"delta": {}, "none": {}}},
-    }]}))
-    pg_stack.manage("apply_agents", str(path))
+def traced(pg_stack, log_dir, collector, fake_llm):
+    pg_stack.apply_agents([llm_agent("traced-llm", fake_llm.url, api_key=SECRET)])
     stack = observed_stack(
         pg_stack, log_dir, "traced",
         {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint, "OTEL_SERVICE_NAME": "aap-hosting-test",

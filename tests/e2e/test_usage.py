@@ -7,9 +7,9 @@ import html
 from datetime import UTC, datetime, timedelta
 
 import pytest
-import yaml
 
 from tests.fakes.openai_server import FakeOpenAI
+from tests.support import llm_agent
 
 from .observed import new_tenant
 
@@ -17,21 +17,9 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def usage_llm(pg_stack, tmp_path_factory):
+def usage_llm(pg_stack):
     server = FakeOpenAI().start()
-    path = tmp_path_factory.mktemp("usage-agents") / "agents.yaml"
-    path.write_text(yaml.safe_dump({"agents": [{
-        "name": "usage-llm",
-        "version": "1.0.0",
-        "runtime": {"kind": "openai", "config": {"timeoutSeconds": 20, "maxRetries": 0}},
-        "options": [
-            {"type": "text", "name": "model", "default": "fake-model"},
-            {"type": "secret", "name": "apiKey", "default": "sk-usage-operator-key"},
-            {"type": "text", "name": "baseUrl", "default": server.url},
-        ],
-        "capabilities": {"history": {"full": {}}, "stream": {"delta": {}, "none": {}}},
-    }]}))
-    pg_stack.manage("apply_agents", str(path))
+    pg_stack.apply_agents([llm_agent("usage-llm", server.url, api_key="sk-usage-operator-key")])
     yield server
     server.stop()
 
