@@ -28,6 +28,10 @@ from .state import DEFAULTS, PartialCall, Reply, Turn
 HISTORIES_KEPT = 128  # sessions whose converted history a worker process keeps between turns
 
 
+def _int(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def _probes(history: list[dict], length: int) -> tuple:
     """The first, middle and last of the first `length` messages: what a kept conversion checks."""
     if length <= 0:
@@ -186,10 +190,15 @@ class OpenAIRuntime(Runtime):
             # Leaving this block (end, error or the turn's cancellation) closes the upstream stream.
             async with stream:
                 async for chunk in stream:
-                    if chunk.usage is not None:
-                        reply.usage = (chunk.usage.prompt_tokens or 0, chunk.usage.completion_tokens or 0)
-                    for choice in chunk.choices or []:
-                        if choice.index in (0, None):  # one choice asked for; some servers omit its index
+                    # Plain JSON objects (see chat_completion): read defensively, a server may omit anything.
+                    if not isinstance(chunk, dict):
+                        continue
+                    usage = chunk.get("usage")
+                    if isinstance(usage, dict):
+                        reply.usage = (_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
+                    for choice in chunk.get("choices") or []:
+                        # One choice asked for; some servers omit its index.
+                        if isinstance(choice, dict) and choice.get("index") in (0, None):
                             await self._absorb(turn, reply, choice)
         except (openai.OpenAIError, ValueError) as exc:
             raise AgentError(safe_error(exc, turn.timeout)) from None
@@ -198,35 +207,40 @@ class OpenAIRuntime(Runtime):
         turn.measured = prompt + completion if reply.usage else None
         return reply
 
-    async def _absorb(self, turn: Turn, reply: Reply, choice) -> None:
-        if choice.finish_reason:
-            reply.finish = choice.finish_reason
-        delta = choice.delta
-        if delta is None:
+    async def _absorb(self, turn: Turn, reply: Reply, choice: dict) -> None:
+        if choice.get("finish_reason"):
+            reply.finish = str(choice["finish_reason"])
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
             return
-        extra = delta.model_extra or {}
         # Servers name the reasoning stream differently; some send both with the same text.
-        reasoning = extra.get("reasoning_content") or extra.get("reasoning")
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
         if isinstance(reasoning, str) and reasoning:
             await self._emit(turn, {"event": "thinking_delta", "delta": reasoning})
-        for piece in (delta.content, delta.refusal):
-            if piece:
+        refusal = delta.get("refusal")
+        for piece in (delta.get("content"), refusal):
+            if isinstance(piece, str) and piece:
                 reply.text += piece
                 await self._emit(turn, {"event": "text_delta", "delta": piece})
-        if delta.refusal:
+        if refusal:
             reply.refused = True
-        for fragment in delta.tool_calls or []:
-            function = fragment.function
-            index = fragment.index
-            if index is None:  # servers that leave the index out start each call with its id or name
-                starts = fragment.id or (function is not None and function.name)
+        for fragment in delta.get("tool_calls") or []:
+            if not isinstance(fragment, dict):
+                continue
+            function = fragment.get("function")
+            function = function if isinstance(function, dict) else None
+            index = fragment.get("index")
+            if not isinstance(index, int):  # servers that leave the index out start each call with its id or name
+                starts = fragment.get("id") or (function is not None and function.get("name"))
                 index = len(reply.calls) if starts or not reply.calls else max(reply.calls)
             partial = reply.calls.setdefault(index, PartialCall())
             if function is None:
                 continue
-            if function.name and function.name != partial.name:
-                partial.name = function.name if not partial.name else partial.name + function.name
-            partial.arguments += function.arguments or ""
+            name, arguments = function.get("name"), function.get("arguments")
+            if isinstance(name, str) and name and name != partial.name:
+                partial.name = name if not partial.name else partial.name + name
+            if isinstance(arguments, str):
+                partial.arguments += arguments
 
     async def _run_tool_calls(self, turn: Turn, reply: Reply) -> bool:
         """Hand the model's tool calls to the host; returns True if any waits on the application."""
