@@ -46,7 +46,7 @@ class Profile:
     llm_session_turns: int = 200
     llm_concurrency: tuple[int, ...] = (1, 8, 32, 64)
     llm_burst_steps: tuple[int, ...] = (250, 1000)
-    llm_held_steps: tuple[int, ...] = (250, 500)
+    llm_held_steps: tuple[int, ...] = (250,)
     # 8: fair share between tenants (each half: B alone, then B beside a saturating A)
     fair_seconds: float = 5.0
 
