@@ -1,4 +1,4 @@
-"""How long and how large each scenario runs: `quick` (make bench, < 3 minutes on 2 cores),
+"""How long and how large each scenario runs: `quick` (make bench, about 6 minutes on 2 cores),
 `full` (FULL=1) and `smoke` (--smoke: a second or two each, to check the harness itself)."""
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ class Profile:
     llm_turns: int = 5
     llm_tokens: int = 200
     llm_delay_ms: float = 5.0
+    # 9–12: the openai runtime against the fake model shaped by model name (bench/llm.py)
+    llm_session_turns: int = 200
+    llm_concurrency: tuple[int, ...] = (1, 8, 32, 64)
+    llm_burst_steps: tuple[int, ...] = (250, 1000)
+    llm_held_steps: tuple[int, ...] = (250,)
     # 8: fair share between tenants (each half: B alone, then B beside a saturating A)
     fair_seconds: float = 5.0
 
@@ -64,6 +69,9 @@ FULL = replace(
     history_turns=30,
     llm_turns=20,
     fair_seconds=15.0,
+    llm_session_turns=1000,
+    llm_burst_steps=(250, 500, 1000),
+    llm_held_steps=(250, 500, 1000),
 )
 
 SMOKE = replace(
@@ -88,6 +96,10 @@ SMOKE = replace(
     history_turns=2,
     llm_turns=2,
     fair_seconds=1.0,
+    llm_session_turns=20,
+    llm_concurrency=(1, 8),
+    llm_burst_steps=(20,),
+    llm_held_steps=(20,),
 )
 
 PROFILES = {p.name: p for p in (QUICK, FULL, SMOKE)}

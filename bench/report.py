@@ -52,7 +52,8 @@ def _fmt(value: float | None) -> str:
 
 
 def _ordered(rows: list[Row]) -> list[Row]:
-    return sorted(rows, key=lambda row: row.scenario)  # stable: run order within a scenario
+    # Numerically (10 after 9); stable: run order within a scenario.
+    return sorted(rows, key=lambda row: (int(row.scenario) if row.scenario.isdigit() else 99, row.scenario))
 
 
 def table(rows: list[Row]) -> str:

@@ -112,6 +112,7 @@ class BenchStack:
         self.workers: list[subprocess.Popen] = []
         self.others: list[subprocess.Popen] = []
         self.token = ""
+        self.fake_pids: list[int] = []
 
     # --- data ---------------------------------------------------------------------------
 
@@ -198,15 +199,18 @@ class BenchStack:
                     raise RuntimeError("celery workers did not become ready within 90 s")
                 time.sleep(0.2)
 
-    def start_fake_openai(self, tokens: int, delay_ms: float) -> str:
-        """Start the fake OpenAI-compatible server; returns its base URL (…/v1)."""
+    def start_fake_openai(self, tokens: int, delay_ms: float, *, by_model: bool = False) -> str:
+        """Start the fake OpenAI-compatible server; returns its base URL (…/v1).
+
+        `by_model`: the request's model name shapes each reply (tests/fakes/openai_server.py)."""
         proc = self._spawn(
-            "openai-fake",
+            "openai-fake" + ("-by-model" if by_model else ""),
             [PYTHON, "-m", "tests.fakes.openai_server", "--port", "0", "--tokens", str(tokens),
-             "--delay-ms", str(delay_ms)],
+             "--delay-ms", str(delay_ms), *(["--by-model"] if by_model else [])],
             stdout=subprocess.PIPE,
         )
         self.others.append(proc)
+        self.fake_pids.append(proc.pid)
         line = proc.stdout.readline().decode().strip()
         if not line.startswith("http"):
             raise RuntimeError(f"the fake OpenAI server did not print its URL (got {line!r})")

@@ -1,5 +1,6 @@
 """`Authorization: Bearer <token>` authentication for the AAP API."""
 
+import time
 from datetime import timedelta
 from datetime import timezone as dt_timezone
 
@@ -17,6 +18,10 @@ _LIMIT_COLUMNS = ", ".join(f"t.{field}" for field in LIMIT_FIELDS)
 
 # last_used_at is a hint for operators, so write it at most once a minute per token.
 LAST_USED_RESOLUTION = timedelta(seconds=60)
+
+# token hash -> (monotonic time read, row) of tokens found active (see tenant_for_raw_token).
+_cache: dict[str, tuple[float, tuple]] = {}
+AUTH_CACHE_ENTRIES = 10_000
 
 
 class TenantUser:
@@ -39,15 +44,41 @@ class TenantUser:
 
 def tenant_for_raw_token(raw: str) -> ApiToken | None:
     """The active token with this value, its tenant loaded; None if unknown, expired, revoked
-    or of a disabled tenant. One SQL statement: every API request runs it."""
-    return _active_token("k.token_hash = %s", hash_token(raw))
+    or of a disabled tenant. One SQL statement, or none while the token's row is cached.
+
+    A token found active is remembered in this process for AAP_AUTH_CACHE_SECONDS (default
+    5): within that bound a revocation, a disabled tenant or changed tenant limits may not be
+    seen yet by a new request (open streams recheck their token on their own schedule, and
+    an expiry date is checked on every request). Unknown tokens are never cached."""
+    key = hash_token(raw)
+    ttl = settings.AAP_AUTH_CACHE_SECONDS
+    if ttl > 0:
+        cached = _cache.get(key)
+        if cached is not None and time.monotonic() - cached[0] < ttl:
+            row = cached[1]
+            if row[3] is None or row[3] > timezone.now():
+                return _token_from_row(row)
+    row = _active_row("k.token_hash = %s", key)
+    if row is None:
+        _cache.pop(key, None)
+    elif ttl > 0:
+        if len(_cache) >= AUTH_CACHE_ENTRIES:
+            _cache.clear()  # rare (that many distinct tokens within seconds): start over
+        _cache[key] = (time.monotonic(), row)
+    return None if row is None else _token_from_row(row)
 
 
 def _active_token(where: str, value) -> ApiToken | None:
+    row = _active_row(where, value)
+    return None if row is None else _token_from_row(row)
+
+
+def _active_row(where: str, value) -> tuple | None:
     now = timezone.now()
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT k.id, k.tenant_id, k.last_used_at, t.name, t.title, {_LIMIT_COLUMNS} FROM {ApiToken._meta.db_table} k "
+            f"SELECT k.id, k.tenant_id, k.last_used_at, k.expires_at, t.name, t.title, {_LIMIT_COLUMNS} "
+            f"FROM {ApiToken._meta.db_table} k "
             f"JOIN {Tenant._meta.db_table} t ON t.id = k.tenant_id "
             f"WHERE {where} AND k.revoked_at IS NULL AND t.is_active "
             "AND (k.expires_at IS NULL OR k.expires_at > %s)",
@@ -56,14 +87,26 @@ def _active_token(where: str, value) -> ApiToken | None:
         row = cursor.fetchone()
     if row is None:
         return None
-    token_id, tenant_id, last_used, name, title, *limits = row
-    if last_used is not None and timezone.is_naive(last_used):
-        last_used = timezone.make_aware(last_used, dt_timezone.utc)  # SQLite stores UTC, naive
-    # Instances of the columns read; any other field loads on access (deferred).
-    token = ApiToken.from_db("default", ["id", "tenant_id", "last_used_at"], [token_id, tenant_id, last_used])
-    token.tenant = Tenant.from_db("default", ["id", "name", "title", *LIMIT_FIELDS], [tenant_id, name, title, *limits])
+    token_id, tenant_id, last_used, expires_at, *rest = row
+    last_used, expires_at = _aware(last_used), _aware(expires_at)
     if last_used is None or now - last_used > LAST_USED_RESOLUTION:
         ApiToken.objects.filter(pk=token_id).update(last_used_at=now)
+        last_used = now
+    return (token_id, tenant_id, last_used, expires_at, *rest)
+
+
+def _aware(value):
+    if value is not None and timezone.is_naive(value):
+        return timezone.make_aware(value, dt_timezone.utc)  # SQLite stores UTC, naive
+    return value
+
+
+def _token_from_row(row: tuple) -> ApiToken:
+    """Fresh instances of the columns read (each request may annotate its own); any other
+    field loads on access (deferred)."""
+    token_id, tenant_id, last_used, _expires_at, name, title, *limits = row
+    token = ApiToken.from_db("default", ["id", "tenant_id", "last_used_at"], [token_id, tenant_id, last_used])
+    token.tenant = Tenant.from_db("default", ["id", "name", "title", *LIMIT_FIELDS], [tenant_id, name, title, *limits])
     return token
 
 

@@ -274,14 +274,22 @@ def insert_message_rows(rows: list[tuple]) -> None:
             )
 
 
-def compacted_history(session_pk: int) -> list[tuple[int, str, str | None]]:
-    """(seq, JSON text, turn id) of the session's compacted history, in order."""
+def compacted_history_after(session_pk: int, after_seq: int) -> tuple[int, int, list[tuple[int, str, str | None, int]]]:
+    """In one statement (one snapshot): how many compacted rows are at or before `after_seq`
+    and their highest row id (what a kept copy of them checks: compaction deletes and inserts
+    there, and an inserted row always has a higher id), then the rows after it as
+    (seq, JSON text, turn id, row id), in order."""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT seq, data, turn_id FROM {M} WHERE session_id = %s AND kind = %s ORDER BY seq",
-            [session_pk, Message.COMPACTED],
+            f"WITH head AS (SELECT count(*) AS n, coalesce(max(id), 0) AS top FROM {M} "
+            f"WHERE session_id = %s AND kind = %s AND seq <= %s) "
+            f"SELECT head.n, head.top, m.seq, m.data, m.turn_id, m.id FROM head "
+            f"LEFT JOIN {M} m ON m.session_id = %s AND m.kind = %s AND m.seq > %s ORDER BY m.seq",
+            [session_pk, Message.COMPACTED, after_seq, session_pk, Message.COMPACTED, after_seq],
         )
-        return cursor.fetchall()
+        rows = cursor.fetchall()
+    count, top = rows[0][0], rows[0][1]
+    return count, top, [(seq, data, turn, row_id) for _, _, seq, data, turn, row_id in rows if seq is not None]
 
 
 def drop_compacted_before(session_pk: int, cutoff: int) -> None:

@@ -21,6 +21,7 @@ from ..models import Message, Session, Turn
 from ..protocol import dumps, unstorable
 from .endings import LOST_ERROR, publish_stop, publish_stop_if_missing
 from .history import apply_compaction
+from .kept_history import kept_histories
 from .validation import effective_options
 
 logger = logging.getLogger(__name__)
@@ -47,12 +48,8 @@ def _server_bindings(agent: Agent, refs: list[dict] | None) -> dict[str, ServerT
 
 
 def _plan(turn_id: str, claimed: turn_store.ClaimedTurn, session: turn_store.TurnSession) -> tuple[host.TurnPlan, list[tuple[int, dict]]]:
-    import json
-
     agent = agent_definition(session.agent_id, session.agent_revision)
-    rows = turn_store.compacted_history(claimed.session_pk)
-    compacted = [(seq, json.loads(data)) for seq, data, _ in rows]
-    incoming = [message for (seq, message), (_, _, row_turn) in zip(compacted, rows) if row_turn == turn_id]
+    compacted, incoming = kept_histories.load(claimed.session_pk, turn_id)
     permissions = [
         PermissionAnswer(ToolCall(p["toolCallId"], p["name"], p.get("input", {})), p["granted"], p.get("reason"))
         for p in claimed.permissions

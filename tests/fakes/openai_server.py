@@ -17,6 +17,13 @@ before its end.
 As a process, for benchmarks (prints its URL once ready, serves until SIGTERM / Ctrl-C):
 
     python -m tests.fakes.openai_server --port 0 --tokens 200 --delay-ms 5
+
+With `by_model=True` (`--by-model`) the request's model name shapes the reply when nothing
+is scripted: `tokens-N-delay-M` streams N tokens M milliseconds apart, each token's text
+being the time it was sent (`"1700000000.123456 "`, epoch seconds), so a client measures
+how late every token reaches it; `tool-add` calls the tool `add` with a = 2, b = 3 when the
+last message is the user's and mentions "add", answers `5` once the tool's result is there,
+and `ok` otherwise.
 """
 
 from __future__ import annotations
@@ -63,6 +70,26 @@ class Reply:
     message: str = ""
     seconds: float = 0.0
     headers: dict = field(default_factory=dict)
+    stamp: bool = False  # each text chunk is replaced by the time it is sent
+
+
+MODEL_SHAPE_RE = re.compile(r"tokens-(\d{1,6})-delay-(\d{1,6}(?:\.\d+)?)")
+
+
+def reply_for_model(model: str, messages: list) -> Reply | None:
+    """The reply a `by_model` server gives this model name (see the module's docstring)."""
+    shape = MODEL_SHAPE_RE.fullmatch(model or "")
+    if shape:
+        chunks = ["t "] * max(1, int(shape.group(1)))
+        return Reply("text", text="".join(chunks), chunks=tuple(chunks), delay=float(shape.group(2)) / 1000,
+                     usage=(20, len(chunks)), stamp=True)
+    if model == "tool-add":
+        last = messages[-1] if messages else {}
+        if isinstance(last, dict) and last.get("role") == "user" and "add" in json.dumps(last.get("content")):
+            return FakeOpenAI.tool_calls([{"name": "add", "arguments": '{"a": 2, "b": 3}'}], fragments=1,
+                                         usage=(20, 8))
+        return FakeOpenAI.text("5" if last.get("role") == "tool" else "ok", usage=(30, 1))
+    return None
 
 
 class _ClientGone(Exception):
@@ -83,11 +110,12 @@ class FakeOpenAI:
     """A fake OpenAI-compatible server served from a background thread."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, default_reply: Reply | None = None,
-                 record: bool = True):
+                 record: bool = True, by_model: bool = False):
         self.host = host
         self.port = port
         self.default_reply = default_reply or FakeOpenAI.text("ok")
         self.record = record
+        self.by_model = by_model
         self.requests: list[dict] = []
         self.disconnects: list[int] = []
         self._queue: collections.deque[Reply] = collections.deque()
@@ -141,9 +169,15 @@ class FakeOpenAI:
         """The recorded POST .../chat/completions requests."""
         return [r for r in self.requests if r["path"].endswith("/chat/completions")]
 
-    def _next(self) -> Reply:
+    def _next(self, body: dict | None = None) -> Reply:
         with self._lock:
-            return self._queue.popleft() if self._queue else self.default_reply
+            if self._queue:
+                return self._queue.popleft()
+        if self.by_model and isinstance(body, dict):
+            shaped = reply_for_model(str(body.get("model") or ""), body.get("messages") or [])
+            if shaped is not None:
+                return shaped
+        return self.default_reply
 
     def _record(self, path: str, headers, body) -> int:
         with self._lock:
@@ -191,7 +225,7 @@ class FakeOpenAI:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
-    request_queue_size = 256
+    request_queue_size = 1024  # a thousand streams may connect at once
     allow_reuse_address = True
     fake: FakeOpenAI
 
@@ -231,7 +265,8 @@ class _Handler(BaseHTTPRequestHandler):
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            readable, _, _ = select.select([self.connection], [], [], min(left, 0.05))
+            # A closing client makes the socket readable at once: no need to poll often.
+            readable, _, _ = select.select([self.connection], [], [], min(left, 0.5))
             if readable:
                 try:
                     if self.connection.recv(1, socket.MSG_PEEK) == b"":
@@ -274,7 +309,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not path.rstrip("/").endswith("/chat/completions"):
             self._json(404, {"error": {"message": f"No route {path}.", "type": "invalid_request_error"}})
             return
-        reply = self.fake._next()
+        reply = self.fake._next(body)
         try:
             if reply.kind == "error":
                 kind, code = ERROR_TYPES.get(reply.status, ("server_error" if reply.status >= 500 else "error", None))
@@ -358,6 +393,8 @@ class _Handler(BaseHTTPRequestHandler):
         for piece in pieces:
             if reply.delay:
                 self._pause(reply.delay)
+            if reply.stamp and "content" in piece:
+                piece = {"content": f"{time.time():.6f} "}
             self._sse(chunk(piece))
         self._sse(chunk({}, reply.finish))
         if (body.get("stream_options") or {}).get("include_usage"):
@@ -372,11 +409,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--tokens", type=int, default=20, help="tokens (chunks) in the default reply")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="pause between chunks, in milliseconds")
+    parser.add_argument("--by-model", action="store_true", help="shape replies by the model name (see above)")
     args = parser.parse_args(argv)
     chunks = [f"t{i} " for i in range(max(1, args.tokens))]
     reply = FakeOpenAI.text("".join(chunks), chunks=chunks, delay=args.delay_ms / 1000,
                             usage=(20, len(chunks)))
-    fake = FakeOpenAI(args.host, args.port, default_reply=reply, record=False).start()
+    fake = FakeOpenAI(args.host, args.port, default_reply=reply, record=False,
+                      by_model=args.by_model).start()
     done = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: done.set())

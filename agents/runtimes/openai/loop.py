@@ -1,0 +1,283 @@
+"""The `openai` runtime's agent loop: model calls, streamed deltas, tool calls.
+
+One turn is an agent loop: the compacted history (and this turn's incoming messages) goes
+to the model with the enabled server tools and the client tools as function tools; the
+streamed reply becomes `text_delta` / `thinking_delta` events and complete `tool_call`s.
+Trusted server tools run inline (the host runs them) and the loop calls the model again;
+a client or untrusted call ends the turn with `tool_use`, and the next turn's results
+(already in `ctx.history`) continue the loop. When the history grows past the context
+budget, its oldest part is replaced by a summary the same model writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+
+import openai
+
+from hosting import tracing
+
+from ..base import AgentError, Compaction, Runtime, StopReason, ToolCall, TurnContext, new_tool_call_id
+from .client import DEFAULT_BASE_URL, NO_KEY, Clients, application_chosen, chat_completion, check_endpoint, safe_error
+from .compaction import compact, prompt_size
+from .conversion import ChatBuilder, function_tools, parse_arguments, text_of, to_chat
+from .state import DEFAULTS, PartialCall, Reply, Turn
+
+HISTORIES_KEPT = 128  # sessions whose converted history a worker process keeps between turns
+
+
+def _int(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _probes(history: list[dict], length: int) -> tuple:
+    """The first, middle and last of the first `length` messages: what a kept conversion checks."""
+    if length <= 0:
+        return ()
+    return (history[0], history[(length - 1) // 2], history[length - 1])
+
+
+class OpenAIRuntime(Runtime):
+    """An agent backed by an OpenAI-compatible Chat Completions server (OpenAI, vLLM, Ollama, ...)."""
+
+    kind = "openai"
+    title = "OpenAI-compatible model"
+    config_schema = {
+        "type": "object",
+        "properties": {
+            "model": {"type": "string", "description": "Model when no 'model' option is declared."},
+            "baseUrl": {"type": "string", "description": "Base URL when no 'baseUrl' option is declared."},
+            "systemPrompt": {"type": "string"},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+            "maxOutputTokens": {"type": "integer", "minimum": 1},
+            "maxTokensField": {"enum": ["max_completion_tokens", "max_tokens"]},
+            "contextBudget": {"type": "integer", "minimum": 200},
+            "timeoutSeconds": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
+            "maxRetries": {"type": "integer", "minimum": 0, "maximum": 10},
+            "maxModelCalls": {"type": "integer", "minimum": 1, "maximum": 100},
+            "summaryPrompt": {"type": "string"},
+            "extraBody": {"type": "object", "description": "Extra JSON fields sent with every model call."},
+            "allowedBaseUrls": {
+                "type": "array", "items": {"type": "string"},
+                "description": "Base URLs an application may choose beyond public addresses (e.g. a model "
+                               "server on the private network); any other it chooses must be public.",
+            },
+        },
+        "additionalProperties": False,
+    }
+
+    def __init__(self):
+        self._clients = Clients()
+        # Per session: the history converted to the model's format as the last turn here began,
+        # fed only the new messages next time (turn cost must not grow with the session).
+        self._chats: OrderedDict[str, tuple[tuple, tuple, ChatBuilder]] = OrderedDict()
+        self.converted_last = 0  # history messages the last turn converted (observability, tests)
+
+    # --- setup ----------------------------------------------------------------------------------
+
+    def _start(self, ctx: TurnContext) -> Turn:
+        config = ctx.config
+        options = ctx.options
+        model = (options.get("model") or config.get("model") or "").strip()
+        if not model:
+            raise AgentError("No model is configured for this agent; set the 'model' option.")
+        base_url = (options.get("baseUrl") or config.get("baseUrl") or DEFAULT_BASE_URL).strip()
+        if not base_url.startswith(("http://", "https://")):
+            raise AgentError("The base URL must start with http:// or https://.")
+        api_key = options.get("apiKey") or ""
+        operator_url = (config.get("baseUrl") or DEFAULT_BASE_URL).strip()
+        if (
+            "baseUrl" in ctx.options_set
+            and "apiKey" not in ctx.options_set
+            and base_url.rstrip("/") != operator_url.rstrip("/")
+        ):
+            api_key = ""  # the operator's key only ever goes to the operator's base URL
+        timeout = float(config.get("timeoutSeconds", DEFAULTS["timeoutSeconds"]))
+        client = self._clients.get(
+            api_key=api_key or NO_KEY,
+            base_url=base_url,
+            timeout=timeout,
+            retries=int(config.get("maxRetries", DEFAULTS["maxRetries"])),
+            guarded=application_chosen(ctx, base_url),
+        )
+        return Turn(
+            ctx=ctx, client=client, model=model, timeout=timeout,
+            budget=int(config.get("contextBudget", DEFAULTS["contextBudget"])),
+        )
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    async def run(self, ctx: TurnContext) -> StopReason:
+        turn = self._start(ctx)
+        if application_chosen(ctx, str(turn.client.base_url)):
+            await check_endpoint(turn.client.base_url)
+        try:
+            return await self._loop(turn)
+        except asyncio.CancelledError:
+            # A cancel can land between the host's events and this loop's record of them:
+            # keep the history uncompacted (the next turn compacts again) rather than miscount.
+            turn.summary = []
+            raise
+        finally:
+            if turn.summary:
+                ctx.set_compacted(Compaction(keep_last=len(turn.history()) - turn.dropped, summary=turn.summary))
+
+    async def _loop(self, turn: Turn) -> StopReason:
+        ctx = turn.ctx
+        limit = int(ctx.config.get("maxModelCalls", DEFAULTS["maxModelCalls"]))
+        tools = function_tools(ctx)
+        turn.chat, turn.chat_tokens = self._history_chat(ctx)
+        calls = 0
+        while True:
+            if calls >= limit:
+                ctx.set_stop_meta(modelCallLimit=limit)
+                return "max_tokens"
+            if prompt_size(turn, tools) > turn.budget and await compact(turn):
+                turn.chat = to_chat(ctx, turn.view())
+            calls += 1
+            reply = await self._call(turn, tools)
+            if reply.refused:
+                return "refusal"
+            if reply.calls and reply.finish not in ("length", "content_filter"):
+                if await self._run_tool_calls(turn, reply):
+                    return "tool_use"
+                continue
+            return {"length": "max_tokens", "content_filter": "refusal"}.get(reply.finish or "", "end_turn")
+
+    def _history_chat(self, ctx: TurnContext) -> tuple[list[dict], int]:
+        """The turn's history in the model's format and its token estimate, converting only the
+        messages added since this process last saw the session (all of them on a miss).
+
+        A kept conversion is used only when the history still starts with what it was built
+        from (the same first, middle and last messages at the same places: history only grows
+        at its end, and compaction replaces its start) and the agent's prompt and accepted
+        images are the same; otherwise it is rebuilt."""
+        history = ctx.history
+        setup = (ctx.config.get("systemPrompt"), tuple(sorted(ctx.capabilities.get("image", {}))))
+        kept = self._chats.pop(ctx.session_id, None)
+        builder = None
+        if kept is not None:
+            kept_setup, probes, candidate = kept
+            if kept_setup == setup and len(history) >= candidate.fed and probes == _probes(history, candidate.fed):
+                builder = candidate
+        if builder is None:
+            builder = ChatBuilder(ctx)
+        before = builder.converted
+        builder.feed(history[builder.fed :])
+        self.converted_last = builder.converted - before
+        chat, tokens = builder.result()
+        if builder.settled and history:
+            self._chats[ctx.session_id] = (setup, _probes(history, builder.fed), builder)
+            while len(self._chats) > HISTORIES_KEPT:
+                self._chats.popitem(last=False)
+        return chat, tokens
+
+    async def _emit(self, turn: Turn, event: dict) -> None:
+        turn.log.append(event)
+        await turn.ctx.emit(event)
+
+    @tracing.model_call
+    async def _call(self, turn: Turn, tools: list[dict]) -> Reply:
+        """One streamed model call: deltas are emitted as they come, tool calls joined per index."""
+        reply = Reply()
+        request = turn.request(turn.chat, stream=True, stream_options={"include_usage": True})
+        if tools:
+            request["tools"] = tools
+        try:
+            stream = await chat_completion(turn.client, request, stream=True)
+            # Leaving this block (end, error or the turn's cancellation) closes the upstream stream.
+            async with stream:
+                async for chunk in stream:
+                    # Plain JSON objects (see chat_completion): read defensively, a server may omit anything.
+                    if not isinstance(chunk, dict):
+                        continue
+                    usage = chunk.get("usage")
+                    if isinstance(usage, dict):
+                        reply.usage = (_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
+                    for choice in chunk.get("choices") or []:
+                        # One choice asked for; some servers omit its index.
+                        if isinstance(choice, dict) and choice.get("index") in (0, None):
+                            await self._absorb(turn, reply, choice)
+        except (openai.OpenAIError, ValueError) as exc:
+            raise AgentError(safe_error(exc, turn.timeout)) from None
+        prompt, completion = reply.usage or (0, 0)
+        turn.ctx.add_usage(prompt_tokens=prompt, completion_tokens=completion)
+        turn.measured = prompt + completion if reply.usage else None
+        return reply
+
+    async def _absorb(self, turn: Turn, reply: Reply, choice: dict) -> None:
+        if choice.get("finish_reason"):
+            reply.finish = str(choice["finish_reason"])
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return
+        # Servers name the reasoning stream differently; some send both with the same text.
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            await self._emit(turn, {"event": "thinking_delta", "delta": reasoning})
+        refusal = delta.get("refusal")
+        for piece in (delta.get("content"), refusal):
+            if isinstance(piece, str) and piece:
+                reply.text += piece
+                await self._emit(turn, {"event": "text_delta", "delta": piece})
+        if refusal:
+            reply.refused = True
+        for fragment in delta.get("tool_calls") or []:
+            if not isinstance(fragment, dict):
+                continue
+            function = fragment.get("function")
+            function = function if isinstance(function, dict) else None
+            index = fragment.get("index")
+            if not isinstance(index, int):  # servers that leave the index out start each call with its id or name
+                starts = fragment.get("id") or (function is not None and function.get("name"))
+                index = len(reply.calls) if starts or not reply.calls else max(reply.calls)
+            partial = reply.calls.setdefault(index, PartialCall())
+            if function is None:
+                continue
+            name, arguments = function.get("name"), function.get("arguments")
+            if isinstance(name, str) and name and name != partial.name:
+                partial.name = name if not partial.name else partial.name + name
+            if isinstance(arguments, str):
+                partial.arguments += arguments
+
+    async def _run_tool_calls(self, turn: Turn, reply: Reply) -> bool:
+        """Hand the model's tool calls to the host; returns True if any waits on the application."""
+        ctx = turn.ctx
+        valid: list[ToolCall] = []
+        problems: dict[str, str] = {}
+        assistant_calls = []
+        for _, partial in sorted(reply.calls.items()):
+            # Our own ids: servers' ids may repeat across turns or be missing.
+            call_id = new_tool_call_id()
+            arguments, problem = parse_arguments(partial)
+            if problem:
+                problems[call_id] = problem
+            else:
+                valid.append(ToolCall(call_id, partial.name, arguments))
+            assistant_calls.append({
+                "id": call_id, "type": "function",
+                "function": {"name": partial.name or "unknown", "arguments": json.dumps(arguments) if not problem else "{}"},
+            })
+        # A call with unreadable arguments never reaches the application (no event, no
+        # history): the model gets a tool result saying so inside this loop and may retry.
+        outcomes = {}
+        if valid:
+            for outcome in await ctx.call_tools(valid):
+                outcomes[outcome.call.toolCallId] = outcome
+            turn.log.extend(call.as_event() for call in valid)
+            turn.log.extend(
+                {"event": "tool_result", "toolCallId": call.toolCallId, "content": outcomes[call.toolCallId].content}
+                for call in valid
+                if outcomes[call.toolCallId].resolved
+            )
+        turn.chat.append({"role": "assistant", "content": reply.text or None, "tool_calls": assistant_calls})
+        turn.measured_at = len(turn.chat)
+        for call in assistant_calls:
+            call_id = call["id"]
+            if call_id in problems:
+                turn.chat.append({"role": "tool", "tool_call_id": call_id, "content": problems[call_id]})
+            elif outcomes[call_id].resolved:
+                turn.chat.append({"role": "tool", "tool_call_id": call_id, "content": text_of(outcomes[call_id].content)})
+        return any(not outcome.resolved for outcome in outcomes.values())

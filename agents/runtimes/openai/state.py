@@ -1,0 +1,75 @@
+"""What one turn of the `openai` runtime keeps: its settings, the model call's streamed reply,
+and the request body it sends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import openai
+
+from aap.messages import fold
+
+from ..base import TurnContext
+
+DEFAULTS = {
+    "timeoutSeconds": 60.0,
+    "maxRetries": 2,
+    "maxModelCalls": 10,
+    "contextBudget": 60000,
+    "maxTokensField": "max_completion_tokens",
+}
+
+
+@dataclass
+class PartialCall:
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass
+class Reply:
+    """One model call's streamed answer."""
+
+    text: str = ""
+    finish: str | None = None
+    calls: dict[int, PartialCall] = field(default_factory=dict)
+    usage: tuple[int, int] | None = None
+    refused: bool = False
+
+
+@dataclass
+class Turn:
+    """What one turn's loop keeps between model calls."""
+
+    ctx: TurnContext
+    client: openai.AsyncOpenAI
+    model: str
+    timeout: float
+    budget: int
+    log: list[dict] = field(default_factory=list)  # the events this runtime caused, to fold like the host
+    summary: list[dict] = field(default_factory=list)  # this turn's compaction summary, if any
+    dropped: int = 0  # leading messages of the history the summary replaces
+    chat: list[dict] = field(default_factory=list)  # the Chat Completions messages of the next call
+    measured: int | None = None  # tokens the provider reported for the last call (prompt + completion)
+    measured_at: int = 0  # len(chat) when `measured` was taken
+    chat_tokens: int | None = None  # the estimate of `chat` as the turn began (kept with the history's conversion)
+
+    def history(self) -> list[dict]:
+        """The compacted history as services will store it: history so far + this turn's messages."""
+        return list(self.ctx.history) + fold(self.log)
+
+    def view(self) -> list[dict]:
+        """What the model sees: the summary, then the history it does not replace."""
+        return self.summary + self.history()[self.dropped :]
+
+    def request(self, messages: list[dict], **extra) -> dict:
+        """The chat completion request body, as it goes on the wire (extraBody merged in)."""
+        config = self.ctx.config
+        request = {"model": self.model, "messages": messages, **extra}
+        if "temperature" in config:
+            request["temperature"] = config["temperature"]
+        if "maxOutputTokens" in config:
+            request[config.get("maxTokensField", DEFAULTS["maxTokensField"])] = config["maxOutputTokens"]
+        if config.get("extraBody"):
+            request.update(config["extraBody"])
+        return request

@@ -1,0 +1,105 @@
+"""A worker reads and parses only the compacted rows a session gained since its last turn
+there: turn 1,000 of a session costs the statements and the parsing turn 10 costs, and what
+it gets is what reading the whole history again gives (also after a compaction)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from agents.runtimes.base import Compaction
+from hosting.models import Tenant
+from sessions_app import turn_store
+from sessions_app.models import Session
+from sessions_app.services.history import apply_compaction
+from sessions_app.services.kept_history import KeptHistories
+from sessions_app.services.sessions import session_create
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def session_pk():
+    call_command("seed_demo", stdout=open("/dev/null", "w"))
+    created = session_create(tenant=Tenant.objects.get(name="demo"), agent_config={"name": "echo"}, messages=None,
+                             tools=None)
+    return Session.objects.get(public_id=created.public_id).pk
+
+
+class Session_:
+    """Appends turns the way the turn path stores them: the user's message with its turn id, then the answer."""
+
+    def __init__(self, pk: int):
+        self.pk, self.seq = pk, 0
+
+    def start_turn(self, text: str) -> str:
+        turn_id = "turn_" + uuid.uuid4().hex
+        turn_store.insert_turn(turn_id, self.pk, "none", [])
+        self.seq += 1
+        turn_store.insert_messages(self.pk, self.seq, [{"role": "user", "content": text}], turn_id=turn_id)
+        return turn_id
+
+    def answer(self, text: str) -> None:
+        self.seq += 1
+        turn_store.insert_messages(self.pk, self.seq, [{"role": "assistant", "content": text}])
+
+
+def test_turn_1000_reads_and_parses_what_turn_10_does(session_pk):
+    kept, session = KeptHistories(), Session_(session_pk)
+    work = {}
+    for number in range(1, 1001):
+        turn_id = session.start_turn(f"question {number}")
+        with CaptureQueriesContext(connection) as queries:
+            rows, incoming = kept.load(session_pk, turn_id)
+        work[number] = (len(queries), kept.parsed_last)
+        assert incoming == [{"role": "user", "content": f"question {number}"}]
+        assert len(rows) == 2 * number - 1
+        session.answer(f"answer {number}")
+    assert work[10] == work[1000] == (1, 2)  # one statement; the last answer and the new question
+    fresh, _ = KeptHistories().load(session_pk, "none")
+    assert rows == fresh[:-1]
+
+
+def test_a_compaction_is_noticed_and_the_history_read_again(session_pk):
+    kept, session = KeptHistories(), Session_(session_pk)
+    for number in range(1, 6):
+        turn_id = session.start_turn(f"question {number}")
+        rows, _ = kept.load(session_pk, turn_id)
+        session.answer(f"answer {number}")
+    rows, _ = kept.load(session_pk, turn_id)
+    # The oldest message alone replaced by a one-message summary: same count of rows before the cut.
+    apply_compaction(session_pk, session.seq, rows, Compaction(keep_last=len(rows) - 1,
+                                                               summary=[{"role": "system", "content": "summary"}]))
+    turn_id = session.start_turn("question 6")
+    rows, incoming = kept.load(session_pk, turn_id)
+    assert kept.parsed_last == len(rows)  # read again
+    assert rows == KeptHistories().load(session_pk, turn_id)[0]
+    assert rows[0][1] == {"role": "system", "content": "summary"}
+    assert incoming == [{"role": "user", "content": "question 6"}]
+
+
+def test_planning_the_same_turn_again_still_finds_its_messages(session_pk):
+    kept, session = KeptHistories(), Session_(session_pk)
+    turn_id = session.start_turn("question 1")
+    first = kept.load(session_pk, turn_id)
+    assert kept.load(session_pk, turn_id) == first
+    assert kept.parsed_last == 0 and first[1] == [{"role": "user", "content": "question 1"}]
+
+
+def test_a_process_keeps_a_bounded_number_of_sessions(session_pk):
+    created = session_create(tenant=Tenant.objects.get(name="demo"), agent_config={"name": "echo"}, messages=None,
+                             tools=None)
+    other_pk = Session.objects.get(public_id=created.public_id).pk
+    kept = KeptHistories(size=1)
+    one, two = Session_(session_pk), Session_(other_pk)
+    first, second = one.start_turn("question 1"), two.start_turn("question 1")
+    kept.load(session_pk, first)
+    kept.load(session_pk, first)
+    assert kept.parsed_last == 0  # kept
+    kept.load(other_pk, second)  # the other session takes the only place
+    kept.load(session_pk, first)
+    assert kept.parsed_last == 1  # read again

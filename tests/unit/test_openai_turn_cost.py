@@ -1,0 +1,118 @@
+"""A turn of the `openai` runtime converts only the messages its session gained since the
+previous turn: turn 1,000 of a session does the work turn 10 does, and sends the model what
+converting the whole history again would."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from agents.runtimes.openai import OpenAIRuntime
+from agents.runtimes.openai.conversion import to_chat
+from tests.fakes.openai_server import FakeOpenAI
+
+
+@dataclass
+class Ctx:
+    """The parts of a TurnContext the runtime reads, and what it reports."""
+
+    session_id: str
+    history: list[dict]
+    config: dict
+    options: dict
+    turn_id: str = "turn"
+    tenant: str = "t"
+    agent_name: str = "a"
+    options_set: frozenset = frozenset()
+    server_tools: dict = field(default_factory=dict)
+    client_tools: dict = field(default_factory=dict)
+    incoming: list = field(default_factory=list)
+    permissions: list = field(default_factory=list)
+    capabilities: dict = field(default_factory=dict)
+    events: list = field(default_factory=list)
+
+    async def emit(self, event):
+        self.events.append(event)
+
+    async def call_tools(self, calls):
+        raise AssertionError("no tools here")
+
+    def request_permission(self, call):
+        raise AssertionError("no tools here")
+
+    def set_compacted(self, compaction):
+        raise AssertionError("a short session never compacts")
+
+    def add_usage(self, **usage):
+        pass
+
+    def set_stop_meta(self, **meta):
+        pass
+
+
+@pytest.fixture
+def model():
+    with FakeOpenAI(record=True) as server:
+        yield server
+
+
+def run_session(runtime: OpenAIRuntime, model: FakeOpenAI, session: str, turns: int, *, system: str = "") -> dict:
+    """`turns` turns in one session; returns {turn number: (messages converted, request sent)}."""
+    history: list[dict] = []
+    config = {"systemPrompt": system} if system else {}
+    seen = {}
+
+    async def go():
+        for number in range(1, turns + 1):
+            history.append({"role": "user", "content": f"question {number}"})
+            ctx = Ctx(session, list(history), config, {"model": "m", "apiKey": "k", "baseUrl": model.url})
+            assert await runtime.run(ctx) == "end_turn"
+            text = "".join(e["delta"] for e in ctx.events if e["event"] == "text_delta")
+            history.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
+            seen[number] = (runtime.converted_last, model.chat_requests()[-1]["json"]["messages"])
+            model.clear()
+
+    asyncio.run(go())
+    return seen, history
+
+
+def test_turn_1000_converts_what_turn_10_converts_and_sends_the_whole_history(model):
+    runtime = OpenAIRuntime()
+    seen, history = run_session(runtime, model, "s-long", 1000, system="Be brief.")
+    assert seen[1][0] == 1
+    assert seen[10][0] == seen[1000][0] == 2  # the last answer and the new question
+    ctx = Ctx("other", history[:-1], {"systemPrompt": "Be brief."}, {})
+    assert seen[1000][1] == to_chat(ctx, history[:-1])  # what a full conversion gives
+    assert len(seen[1000][1]) == 1 + 1999
+
+
+def test_a_history_that_changed_at_its_start_is_converted_again(model):
+    runtime = OpenAIRuntime()
+    run_session(runtime, model, "s", 5)
+    history = [{"role": "system", "content": "Summary of the earlier conversation:\nhello"},
+               {"role": "user", "content": "question 1"}, {"role": "assistant", "content": "ok"},
+               {"role": "user", "content": "next"}]
+
+    async def go():
+        ctx = Ctx("s", history, {}, {"model": "m", "apiKey": "k", "baseUrl": model.url})
+        assert await runtime.run(ctx) == "end_turn"
+
+    asyncio.run(go())
+    assert runtime.converted_last == len(history)
+    assert model.chat_requests()[-1]["json"]["messages"] == to_chat(Ctx("x", history, {}, {}), history)
+
+
+def test_one_sdk_client_per_endpoint_per_process(model):
+    runtime = OpenAIRuntime()
+
+    async def go():
+        made = set()
+        for number in range(3):
+            ctx = Ctx(f"s{number}", [{"role": "user", "content": "hi"}], {}, {"model": "m", "apiKey": "k", "baseUrl": model.url})
+            assert await runtime.run(ctx) == "end_turn"
+            made.add(id(runtime._clients.get(api_key="k", base_url=model.url, timeout=60.0, retries=2)))
+        return made
+
+    assert len(asyncio.run(go())) == 1
