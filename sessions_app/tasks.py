@@ -9,13 +9,16 @@ from django.db import close_old_connections
 
 from hosting.logs import log_context
 
-from . import services
+from . import dispatch, services
 
 
 @shared_task(name="sessions_app.tasks.run_turn", ignore_result=True)
 def run_turn(turn_id: str) -> None:
     with log_context(turn=turn_id):
-        services.turn_execute(turn_id)
+        try:
+            services.turn_execute(turn_id)
+        finally:
+            dispatch.dispatch_next()  # this slot is free: the next waiting turn, chosen fairly
 
 
 @shared_task(name="sessions_app.tasks.sweep_stale_turns", ignore_result=True)
@@ -32,7 +35,10 @@ def _run_embedded(turn_id: str) -> None:
     close_old_connections()
     try:
         with log_context(turn=turn_id):
-            services.turn_execute(turn_id)
+            try:
+                services.turn_execute(turn_id)
+            finally:
+                dispatch.dispatch_next()
     finally:
         close_old_connections()
 
