@@ -6,8 +6,9 @@ workers have free slots (their heartbeats in PostgreSQL say how many turns each 
 once): the others wait in PostgreSQL, and whenever a slot frees (a turn ends, a worker
 starts or beats with a free thread, a turn is accepted with slots free) `dispatch_next`
 picks the next ones there, the tenant with the fewest turns in flight per unit of its
-weight first (turn_store.fair_order). So a tenant's single short turn waits for one slot
-to free, not behind another tenant's backlog.
+weight first (turn_store.fair_order), and never more at once than the tenant's running-turns
+limit. So a tenant's single short turn waits for one slot to free, not behind another
+tenant's backlog, and a tenant whose limit is below the workers' slots leaves the rest free.
 
 A turn handed to the broker is marked `dispatched_at` in PostgreSQL, then on the broker, and
 marked in Redis. Whatever happens between (a crash of the web process, Redis down or
@@ -102,21 +103,26 @@ def choose_next() -> list[str]:
         free = capacity() - in_flight
         if free <= 0 or not waiting:
             return []
-        return turn_store.mark_dispatched(turn_store.fair_order(free))
+        order = turn_store.fair_order(free, settings.AAP_TENANT_MAX_RUNNING_TURNS)
+        return turn_store.mark_dispatched([turn_id for turn_id, may_start in order if may_start])
 
 
 def queued_place(turn_id: str) -> dict | None:
     """`{"position": n}` while the turn waits for a worker slot (n = 1: it takes the next one
-    that frees), None once it is dispatched, running or over. Also right after the turn is
-    stored, inside its transaction, for `turn_start._meta.queued`."""
+    that frees, or the next its tenant may take), None once it is dispatched, running or
+    over. Also right after the turn is stored, inside its transaction, for
+    `turn_start._meta.queued`."""
     in_flight, waiting = turn_store.slots_in_use()
+    if not waiting:
+        return None
     free = max(0, capacity() - in_flight)
-    if waiting <= free:
+    order = turn_store.fair_order(waiting, settings.AAP_TENANT_MAX_RUNNING_TURNS)
+    index = next((i for i, (waiting_id, _) in enumerate(order) if waiting_id == turn_id), None)
+    if index is None:
         return None
-    order = turn_store.fair_order(waiting)
-    if turn_id not in order:
-        return None
-    position = order.index(turn_id) + 1 - free
+    if not order[index][1]:
+        return {"position": max(1, index + 1 - free)}  # its tenant runs all it may: it waits for one of those
+    position = index + 1 - free
     return {"position": position} if position > 0 else None
 
 

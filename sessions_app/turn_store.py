@@ -303,23 +303,29 @@ def slots_in_use() -> tuple[int, int]:
     return int(in_flight), int(waiting)
 
 
-def fair_order(limit: int) -> list[str]:
-    """Waiting turns in the order free worker slots should take them: a tenant's n-th waiting
-    turn would make it run (its turns in flight + n) at once; lowest of that per unit of the
-    tenant's weight first, then oldest first (so a tenant's own turns keep their order)."""
+def fair_order(limit: int, default_max_running: int) -> list[tuple[str, bool]]:
+    """Waiting turns in the order free worker slots should take them, each with whether it
+    may take one now. A tenant's n-th waiting turn would make it run (its turns in flight + n)
+    at once: lowest of that per unit of the tenant's weight first, then oldest first (so a
+    tenant's own turns keep their order). A turn that would pass its tenant's running-turns
+    limit (`default_max_running` where the tenant sets none; 0: no limit) may not start yet:
+    those come last."""
     with connection.cursor() as cursor:
         cursor.execute(
             f"WITH inflight AS (SELECT s.tenant_id AS tenant_id, COUNT(*) AS n FROM {T} t "
             f"JOIN {S} s ON s.id = t.session_id WHERE {_IN_FLIGHT} GROUP BY s.tenant_id), "
             f"waiting AS (SELECT t.id AS id, t.created_at AS created_at, s.tenant_id AS tenant_id, "
             f"ROW_NUMBER() OVER (PARTITION BY s.tenant_id ORDER BY t.created_at, t.id) AS n "
-            f"FROM {T} t JOIN {S} s ON s.id = t.session_id WHERE {_WAITING}) "
-            f"SELECT w.id FROM waiting w JOIN {TENANT} tn ON tn.id = w.tenant_id "
-            f"LEFT JOIN inflight i ON i.tenant_id = w.tenant_id "
-            f"ORDER BY (COALESCE(i.n, 0) + w.n) * 1.0 / tn.weight, w.created_at, w.id LIMIT %s",
-            [limit],
+            f"FROM {T} t JOIN {S} s ON s.id = t.session_id WHERE {_WAITING}), "
+            f"ranked AS (SELECT w.id AS id, w.created_at AS created_at, "
+            f"(COALESCE(i.n, 0) + w.n) * 1.0 / tn.weight AS share, "
+            f"CASE WHEN COALESCE(tn.max_running_turns, %s) = 0 "
+            f"OR COALESCE(i.n, 0) + w.n <= COALESCE(tn.max_running_turns, %s) THEN 1 ELSE 0 END AS may_start "
+            f"FROM waiting w JOIN {TENANT} tn ON tn.id = w.tenant_id LEFT JOIN inflight i ON i.tenant_id = w.tenant_id) "
+            f"SELECT id, may_start FROM ranked ORDER BY may_start DESC, share, created_at, id LIMIT %s",
+            [default_max_running, default_max_running, limit],
         )
-        return [row[0] for row in cursor.fetchall()]
+        return [(row[0], bool(row[1])) for row in cursor.fetchall()]
 
 
 def mark_dispatched(turn_ids: list[str]) -> list[str]:

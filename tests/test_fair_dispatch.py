@@ -40,7 +40,7 @@ def _order(*groups: list[str]) -> list[str]:
     from sessions_app import turn_store
 
     mine = {turn_id for group in groups for turn_id in group}
-    return [turn_id for turn_id in turn_store.fair_order(100_000) if turn_id in mine]
+    return [turn_id for turn_id, _ in turn_store.fair_order(100_000, 0) if turn_id in mine]
 
 
 def test_one_waiting_turn_of_a_tenant_goes_before_another_tenants_backlog():
@@ -98,7 +98,7 @@ def test_choosing_marks_turns_dispatched_fairly(monkeypatch):
     backlog = _turns(busy, 3)
     single = _turns(quiet, 1)
     # One slot free beyond every other waiting turn in the database (each takes its own).
-    others = [t for t in turn_store.fair_order(100_000) if t not in backlog + single]
+    others = [t for t, _ in turn_store.fair_order(100_000, 0) if t not in backlog + single]
     in_flight = turn_store.slots_in_use()[0]
     monkeypatch.setattr(dispatch, "capacity", lambda: in_flight + len(others) + 1)
     chosen = dispatch.choose_next()
@@ -135,3 +135,21 @@ def test_the_client_tells_waiting_from_running():
     assert delta.queued is None and parser.queued is None
     (plain,) = SSEParser().feed(b'id: 1\nevent: turn_start\ndata: {"_meta": {"turnId": "turn_y"}}\n\n')
     assert plain.queued is None
+
+
+def test_a_tenant_never_runs_more_turns_at_once_than_its_limit(settings):
+    from sessions_app import turn_store
+
+    settings.AAP_TENANT_MAX_RUNNING_TURNS = 0
+    capped, free = _tenant(), _tenant()
+    capped.max_running_turns = 3
+    capped.save()
+    _turns(capped, 2, running=True)
+    capped_turns = _turns(capped, 3)
+    free_turns = _turns(free, 2)
+    order = [(t, ok) for t, ok in turn_store.fair_order(100_000, 0) if t in capped_turns + free_turns]
+    assert order == [(free_turns[0], True), (free_turns[1], True), (capped_turns[0], True),
+                     (capped_turns[1], False), (capped_turns[2], False)]
+    # The service's default applies to a tenant that sets no limit of its own.
+    free_first = [(t, ok) for t, ok in turn_store.fair_order(100_000, 1) if t in free_turns]
+    assert free_first == [(free_turns[0], True), (free_turns[1], False)]
