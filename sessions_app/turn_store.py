@@ -354,15 +354,7 @@ def dispatched_turns(older_than: datetime, limit: int = 500) -> list[str]:
 
 def waiting_since(turn_id: str) -> tuple[str, datetime | None] | None:
     """(status, dispatched_at) of a turn; None when it is gone."""
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT status, dispatched_at FROM {T} WHERE id = %s", [turn_id])
-        row = cursor.fetchone()
-    if row is None:
-        return None
-    status, dispatched = row
-    if isinstance(dispatched, str):  # SQLite
-        dispatched = datetime.fromisoformat(dispatched)
-    return status, dispatched
+    return Turn.objects.filter(id=turn_id).values_list("status", "dispatched_at").first()
 
 
 def worker_beat(node: str, concurrency: int) -> None:

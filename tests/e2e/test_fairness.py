@@ -110,6 +110,18 @@ def test_a_turn_waiting_for_a_worker_says_so_until_it_starts(pg_stack, demo, oth
     assert fold_events([e.as_dict() for e in waiting["events"]]) == text_reply("echo: after the queue")
 
 
+def test_the_embedded_mode_queues_turns_beyond_its_threads_and_runs_them_all(embedded_stack):
+    client = embedded_stack.client("demo")
+    try:
+        sessions = [client.create_session("echo") for _ in range(12)]
+    finally:
+        client.close()
+    with ThreadPoolExecutor(12) as pool:  # more turns than the web process's 8 threads
+        results = list(pool.map(lambda s: timed_turn(embedded_stack, "demo", s, "/slow 10 100"), sessions))
+    assert [r["stop"] for r in results] == ["end_turn"] * 12, results
+    assert any(r["events"][0].data["_meta"].get("queued") for r in results)
+
+
 def test_a_one_mib_turn_of_words_neither_stalls_another_tenants_turn_nor_fills_redis(pg_stack, demo, other):
     text = "a " * 524288  # 1 MiB of one-word deltas
     big_session = demo.create_session("echo")
