@@ -3,7 +3,7 @@
     python -m bench.inproc host SECONDS      sessions_app.host.execute(plan) on an in-memory event
                                              stream: the runtime plus the host's own work
                                              (publishing, stream-mode shaping, fold, lease, cancel check)
-    python -m bench.inproc services SECONDS  services.turn_start + services.turn_execute against
+    python -m bench.inproc services SECONDS  turns.turn_start + execution.turn_execute against
                                              PostgreSQL and Redis (persistence included), queue bypassed
 
 Prints one JSON object: turns, seconds, rate, latency percentiles (seconds), errors.
@@ -72,7 +72,7 @@ def run_host(seconds: float) -> dict:
         outcome = loop.run_until_complete(host.execute(plan))
         if outcome.stop_reason != "end_turn":
             raise RuntimeError(f"stop reason {outcome.stop_reason}")
-        # What services._publish_stop adds after persistence.
+        # What services.endings.publish_stop adds after persistence.
         backend.publish_sync(turn_id, outcome.last_seq + 1, {"event": "turn_stop", "stopReason": "end_turn"}, final=True)
 
     assert EchoRuntime.kind == "echo"
@@ -84,19 +84,20 @@ def run_host(seconds: float) -> dict:
 
 def run_services(seconds: float) -> dict:
     from hosting.models import Tenant
-    from sessions_app import services, tasks
+    from sessions_app import dispatch
+    from sessions_app.services import execution, sessions, turns
 
     queued: list[str] = []
-    tasks.enqueue_turn = lambda turn_id, **_: queued.append(turn_id)  # no queue: run it here
+    dispatch.enqueue_turn = lambda turn_id, **_: queued.append(turn_id)  # no queue: run it here
     tenant = Tenant.objects.get(name="demo")
-    session = services.session_create(tenant=tenant, agent_config={"name": "echo"}, messages=None, tools=None)
+    session = sessions.session_create(tenant=tenant, agent_config={"name": "echo"}, messages=None, tools=None)
 
     def one() -> None:
-        services.turn_start(
+        turns.turn_start(
             tenant=tenant, session_id=session.public_id,
             data={"messages": [{"role": "user", "content": "hello world"}], "stream": "none"},
         )
-        services.turn_execute(queued.pop())
+        execution.turn_execute(queued.pop())
 
     return _timed(one, seconds)
 

@@ -174,9 +174,10 @@ if DATABASE_URL:
     if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
         # Under ASGI every request runs in its own thread, so per-thread persistent
         # connections are never reused: a pool per process serves web and worker threads.
-        # A pooled connection is checked before it is handed out: after a PostgreSQL restart
-        # the dead ones are replaced instead of failing a request or a turn.
-        DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+        # A pooled connection that sat idle is checked before it is handed out: after a
+        # PostgreSQL restart the dead ones are replaced instead of failing a request or a
+        # turn (hosting/postgres: the check is skipped for one returned moments ago).
+        DATABASES["default"]["ENGINE"] = "hosting.postgres"
         DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
             "min_size": env_int("DATABASE_POOL_MIN", 1),
             "max_size": env_int("DATABASE_POOL_MAX", 20),

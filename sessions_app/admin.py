@@ -83,7 +83,7 @@ class SessionAdmin(admin.ModelAdmin):
 
     @admin.display(description="options")
     def redacted_options(self, obj):
-        from .services import redacted_options
+        from .services.validation import redacted_options
 
         return redacted_options(obj.agent, obj.options)
 

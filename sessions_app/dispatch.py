@@ -21,13 +21,20 @@ its session. A second delivery is harmless: a worker claims a turn once
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from functools import cache
 
+from celery import current_app
+from celery.utils.nodenames import worker_direct
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 
+from hosting.logs import log_context
+
 from . import events, turn_store
+from .services import execution
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +43,39 @@ logger = logging.getLogger(__name__)
 # holder's routing key expires within 30 s when it dies.
 MARK_SECONDS = 600.0
 PINNED_MARK_SECONDS = 30.0
+
+# The Celery task that runs a turn (sessions_app.tasks), sent by name: tasks import services,
+# services import this module.
+RUN_TURN = "sessions_app.tasks.run_turn"
+
+
+@cache
+def _embedded_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=settings.AAP_EMBEDDED_WORKERS, thread_name_prefix="aap-turn")
+
+
+def _run_embedded(turn_id: str) -> None:
+    close_old_connections()
+    try:
+        with log_context(turn=turn_id):
+            try:
+                execution.turn_execute(turn_id)
+            finally:
+                dispatch_next()  # this slot is free: the next waiting turn, chosen fairly
+    finally:
+        close_old_connections()
+
+
+def enqueue_turn(turn_id: str, *, node: str | None = None) -> None:
+    """Hand a turn to a Celery worker (REDIS_URL set) or to a thread of this process;
+    `node` names the worker that must run it (its direct queue, `worker_direct`)."""
+    if settings.REDIS_URL and node:
+        current_app.send_task(RUN_TURN, args=(turn_id,), queue=worker_direct(node))
+    elif settings.REDIS_URL:
+        current_app.send_task(RUN_TURN, args=(turn_id,))
+    else:
+        _embedded_pool().submit(_run_embedded, turn_id)
+
 
 # The advisory lock that serializes choosing turns for free slots (one chooser at a time).
 _DISPATCH_LOCK = 0x4141_5044_4953_5000
@@ -57,8 +97,6 @@ def capacity() -> int:
 def _send(turn_id: str, node: str | None = None) -> bool:
     """Put a turn on the broker and mark it dispatched in Redis. False (logged) when the
     broker is unreachable: the turn stays queued and is dispatched again later."""
-    from .tasks import enqueue_turn
-
     backend = events.backend()
     try:
         enqueue_turn(turn_id, node=node)

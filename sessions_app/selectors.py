@@ -10,7 +10,7 @@ from django.http import HttpResponse
 from hosting.errors import BadRequest, NotFound
 
 from .models import Message, Session
-from .services import redacted_options
+from .services.validation import redacted_options
 
 
 def session_for_tenant(tenant, session_id: str) -> Session:

@@ -2,7 +2,7 @@
 
 Both follow the turn's events (events.follow) on the web process's event loop, so an open
 stream costs no thread. While a turn is quiet they ping the client and check that the turn
-is still alive, ending a lost one with `error` (services.turn_recover_if_lost). When the
+is still alive, ending a lost one with `error` (recovery.turn_recover_if_lost). When the
 event source fails (Redis down) they keep pinging and retrying for AAP_STREAM_RETRY_SECONDS;
 then an SSE response closes without `turn_stop` (the client re-attaches), and a `none`
 response answers from PostgreSQL if the turn has ended there. While a turn waits for a
@@ -23,15 +23,16 @@ from hosting import metrics
 from hosting.authentication import token_is_active
 from hosting.handlers import on_web_threads
 
-from . import dispatch, events, services
+from . import dispatch, events
+from .services import endings, recovery
 from .protocol import SSE_PING, dumps, event_data, fold, sse_frame
 
 logger = logging.getLogger(__name__)
 
 LIVENESS_CHECK_SECONDS = 5.0
 
-_recover = on_web_threads(services.turn_recover_if_lost)
-_stored_result = on_web_threads(services.turn_result)
+_recover = on_web_threads(recovery.turn_recover_if_lost)
+_stored_result = on_web_threads(endings.turn_result)
 _token_active = on_web_threads(token_is_active)
 _queued_place = on_web_threads(dispatch.queued_place)
 # Yielded by _follow when the stream's API token was revoked (or expired) meanwhile.

@@ -3,7 +3,7 @@
 Every turn reads and writes the same few rows: the session (locked), the turn, the new
 messages. Through the ORM each statement cost about 1 ms of Python to build, ten times what
 the database spends on it, and that was most of a turn's CPU (docs/performance.md). Here
-each is one prepared string. The rules stay in services.py; this module only moves rows.
+each is one prepared string. The rules stay in the services; this module only moves rows.
 Works on PostgreSQL and on SQLite (the embedded mode).
 """
 
@@ -63,27 +63,37 @@ class SessionRow:
     pending_calls: list
     message_seq: int
     active_turn_id: str | None
+    # The tenant may still use the session's agent: the agent is open to every tenant (no
+    # tenants chosen) or lists this one. An operator may restrict an agent at any time.
+    agent_allowed: bool
 
 
 _SESSION_COLUMNS = (
     "s.id, s.public_id, s.agent_id, a.updated_at, s.options, s.server_tools, s.client_tools, "
     "s.pending_calls, s.message_seq, s.active_turn_id"
 )
+AGENT_TENANTS = Agent.tenants.through._meta.db_table
+# Read with the session's lock (one statement instead of an ORM query per turn).
+_AGENT_ALLOWED = (
+    f"(NOT EXISTS (SELECT 1 FROM {AGENT_TENANTS} x WHERE x.agent_id = a.id) "
+    f"OR EXISTS (SELECT 1 FROM {AGENT_TENANTS} x WHERE x.agent_id = a.id AND x.tenant_id = s.tenant_id))"
+)
 
 
 def _session_row(row) -> SessionRow:
-    pk, public_id, agent_id, revision, options, server_tools, client_tools, pending, seq, active = row
+    pk, public_id, agent_id, revision, options, server_tools, client_tools, pending, seq, active, allowed = row
     return SessionRow(
         pk, public_id, agent_id, revision, _json(options) or {}, _json(server_tools), _json(client_tools),
-        _json(pending) or [], seq, active,
+        _json(pending) or [], seq, active, bool(allowed),
     )
 
 
 def lock_session(tenant_id: int, public_id: str) -> SessionRow | None:
-    """The tenant's session, locked until the transaction ends (PostgreSQL)."""
+    """The tenant's session, locked until the transaction ends (PostgreSQL), with whether
+    the tenant may still use its agent."""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT {_SESSION_COLUMNS} FROM {S} s JOIN {A} a ON a.id = s.agent_id "
+            f"SELECT {_SESSION_COLUMNS}, {_AGENT_ALLOWED} FROM {S} s JOIN {A} a ON a.id = s.agent_id "
             f"WHERE s.public_id = %s AND s.tenant_id = %s{_for_update()}",
             [public_id, tenant_id],
         )
@@ -181,21 +191,22 @@ def claim_turn(turn_id: str) -> ClaimedTurn | None:
 
 
 def end_turn(turn_id: str, *, stop_reason: str, cancelled: bool, error: str, prompt_tokens: int,
-             completion_tokens: int, model_calls: int) -> bool:
-    """running -> done; False when it was no longer running (declared lost, or deleted)."""
+             completion_tokens: int, model_calls: int, produced: bool = False) -> bool:
+    """running -> done; False when it was no longer running (declared lost, or deleted).
+
+    `produced`: the turn's output is about to be appended to its session, so its first
+    message will be the session's next seq; that seq is the turn's `output_seq` (set in the
+    same statement, before the session moves on)."""
     with connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE {T} SET status = %s, stop_reason = %s, cancelled = %s, error = %s, finished_at = %s, "
-            f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, partial = '' WHERE id = %s AND status = %s",
+            f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, partial = '', "
+            f"output_seq = CASE WHEN %s THEN (SELECT message_seq + 1 FROM {S} WHERE id = {T}.session_id) ELSE 0 END "
+            f"WHERE id = %s AND status = %s",
             [Turn.DONE, stop_reason, cancelled, error, _now(), prompt_tokens, completion_tokens, model_calls,
-             turn_id, Turn.RUNNING],
+             produced, turn_id, Turn.RUNNING],
         )
         return cursor.rowcount > 0
-
-
-def set_output_seq(turn_id: str, seq: int) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(f"UPDATE {T} SET output_seq = %s WHERE id = %s", [seq, turn_id])
 
 
 def heartbeat(turn_ids: list[str], partials: dict[str, str]) -> None:

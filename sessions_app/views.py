@@ -19,7 +19,8 @@ from hosting.authentication import (
 )
 from hosting.errors import BadRequest, NotFound
 
-from . import events, idempotency_keys, protocol, selectors, services
+from . import events, idempotency_keys, protocol, selectors
+from .services import sessions, turns
 from .models import Turn
 from .streaming import turn_response
 
@@ -81,7 +82,7 @@ class SessionsView(APIView):
     )
     def post(self, request):
         data = _validated(protocol.CreateSessionSerializer, request.data)
-        session = services.session_create(
+        session = sessions.session_create(
             tenant=request.user.tenant,
             agent_config=data["agent"],
             messages=data.get("messages"),
@@ -107,7 +108,7 @@ class SessionView(APIView):
 
     @extend_schema(summary="Delete a session and its history", responses={204: None, **ERRORS})
     def delete(self, request, session_id):
-        services.session_delete(tenant=request.user.tenant, session_id=session_id)
+        sessions.session_delete(tenant=request.user.tenant, session_id=session_id)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -140,7 +141,7 @@ class TurnsView(APIView):
                    responses={**TURN_RESPONSES, **RETRY_ERRORS})
     def post(self, request, session_id):
         data = _validated(protocol.TurnRequestSerializer, request.data)
-        turn = services.turn_start(
+        turn = turns.turn_start(
             tenant=request.user.tenant, session_id=session_id, data=data, idempotency=_idempotency(request)
         )
         response = turn_response(turn.id, turn.stream, token_id=request.user.token.pk)
@@ -202,7 +203,7 @@ class TurnEventsView(APIView):
 class TurnCancelView(APIView):
     @extend_schema(summary="Cancel a running turn", request=None, responses={202: protocol.TurnCancelSerializer, **ERRORS})
     def post(self, request, session_id, turn_id):
-        turn = services.turn_cancel(tenant=request.user.tenant, session_id=session_id, turn_id=turn_id)
+        turn = turns.turn_cancel(tenant=request.user.tenant, session_id=session_id, turn_id=turn_id)
         return Response({"turnId": turn.id, "cancelling": turn.status != Turn.DONE}, status=status.HTTP_202_ACCEPTED)
 
 

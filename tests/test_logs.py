@@ -51,7 +51,7 @@ def test_the_routine_sweep_logs_at_debug_only(captured):
     logging.getLogger("celery.worker.strategy").info("Task sessions_app.tasks.sweep_stale_turns[1f] received")
     logging.getLogger("celery.app.trace").info("Task sessions_app.tasks.sweep_stale_turns[1f] succeeded in 0.01s: 0")
     logging.getLogger("celery.app.trace").info("Task sessions_app.tasks.run_turn[2a] succeeded in 0.2s: None")
-    logging.getLogger("sessions_app.services").warning("turn turn_q was lost (running); ended with error")
+    logging.getLogger("sessions_app.services.recovery").warning("turn turn_q was lost (running); ended with error")
     assert [line["message"] for line in captured()] == [
         "Task sessions_app.tasks.run_turn[2a] succeeded in 0.2s: None",
         "turn turn_q was lost (running); ended with error",

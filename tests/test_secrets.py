@@ -163,7 +163,7 @@ def test_rotate_secrets_reencrypts_with_the_new_first_key_and_old_key_can_go(dem
     from agents.models import AgentOption
     from hosting.crypto import SecretDecryptionError
     from sessions_app.models import Session
-    from sessions_app.services import effective_options
+    from sessions_app.services.validation import effective_options
 
     session_id = demo.create_session("echo", agent={"options": {"apiKey": "sk-rotate-me"}})
     old_keys = list(settings.HOSTING_ENCRYPTION_KEYS)

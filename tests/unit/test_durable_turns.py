@@ -7,7 +7,7 @@ import json
 
 from sessions_app.models import Turn
 from sessions_app.idempotency_keys import fingerprint as request_fingerprint
-from sessions_app.services import _produced_before_loss
+from sessions_app.services.recovery import _produced_before_loss
 
 
 def _streamed(*events):

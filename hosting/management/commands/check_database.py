@@ -35,7 +35,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, wait, **options):
         params = connection.settings_dict
-        if params["ENGINE"] != "django.db.backends.postgresql":
+        if connection.vendor != "postgresql":
             self.stdout.write(f"Database: {params['ENGINE'].rsplit('.', 1)[-1]} at {params['NAME']}.")
             return
         import psycopg

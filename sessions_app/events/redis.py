@@ -1,14 +1,4 @@
-"""A turn's live events, its liveness lease and its cancel signal.
-
-With REDIS_URL the events of a turn are a Redis stream (`aap:ev:<turn>`) written by the
-worker and read by any web process: entries keep the event's sequence number as their id
-(`0-<seq>`), so a reader that starts late still gets every event from the first, in order,
-once each, and `Last-Event-ID` re-attaches exactly. Without REDIS_URL (embedded mode) the
-same interface is served from memory inside the web process.
-
-Redis carries only what can be lost: a lost stream breaks a live view of a turn, never the
-session or its history, which live in PostgreSQL.
-"""
+"""The production event backend: Redis streams, pub/sub notifications, leases, cancel flags."""
 
 from __future__ import annotations
 
@@ -17,59 +7,14 @@ import contextlib
 import json
 import logging
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
-from functools import cache
+from collections.abc import Callable
 
 from django.conf import settings
 
+from .keys import CANCEL_CHANNEL, cancel_key, dispatch_key, lease_key, live_stream_ttl, notify_channel, stream_key
+from .watcher import Watcher
+
 logger = logging.getLogger(__name__)
-
-CANCEL_CHANNEL = "aap:cancel"
-
-
-def live_stream_ttl() -> int:
-    """How long a running turn's stream (and its cancel flag) is kept: longer than any turn."""
-    return settings.AAP_LIVE_EVENTS_TTL_SECONDS
-
-
-def _stream_key(turn_id: str) -> str:
-    return f"aap:ev:{turn_id}"
-
-
-def _lease_key(turn_id: str) -> str:
-    return f"aap:lease:{turn_id}"
-
-
-def _cancel_key(turn_id: str) -> str:
-    return f"aap:cancel:{turn_id}"
-
-
-def _notify_channel(turn_id: str) -> str:
-    return f"aap:evn:{turn_id}"
-
-
-def _dispatch_key(turn_id: str) -> str:
-    return f"aap:disp:{turn_id}"
-
-
-class Watcher:
-    """A follower's inbox: events pushed as they are published, and a wake-up signal."""
-
-    __slots__ = ("wake", "pushed")
-
-    def __init__(self):
-        self.wake = asyncio.Event()
-        self.pushed: list[tuple[int, dict]] = []
-
-    def deliver(self, items: list[tuple[int, dict]]) -> None:
-        self.pushed.extend(items)
-        self.wake.set()
-
-    def take(self, after: int) -> list[tuple[int, dict]]:
-        items = [item for item in self.pushed if item[0] > after]
-        self.pushed.clear()
-        return items
 
 
 class _NotifyHub:
@@ -183,11 +128,11 @@ class _PublishBatcher:
             pipe = self.client.pipeline(transaction=False)
             for turn_id, batch, _ in work:
                 for seq, event in batch:
-                    pipe.xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
-                pipe.publish(_notify_channel(turn_id), json.dumps(batch))
+                    pipe.xadd(stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
+                pipe.publish(notify_channel(turn_id), json.dumps(batch))
             # A stream recreated after a Redis restart gets an expiry too (its turn_start had it).
             for turn_id in {turn_id for turn_id, _, _ in work}:
-                pipe.expire(_stream_key(turn_id), live_stream_ttl())
+                pipe.expire(stream_key(turn_id), live_stream_ttl())
             try:
                 results = await pipe.execute(raise_on_error=False)
             except Exception as exc:  # the connection failed: every caller of this round learns it
@@ -254,64 +199,64 @@ class RedisEvents:
 
     def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
         pipe = self.sync.pipeline(transaction=False)
-        pipe.xadd(_stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
-        pipe.expire(_stream_key(turn_id), settings.AAP_EVENT_RETENTION_SECONDS if final else live_stream_ttl())
-        pipe.publish(_notify_channel(turn_id), json.dumps([(seq, event)]))
+        pipe.xadd(stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
+        pipe.expire(stream_key(turn_id), settings.AAP_EVENT_RETENTION_SECONDS if final else live_stream_ttl())
+        pipe.publish(notify_channel(turn_id), json.dumps([(seq, event)]))
         pipe.execute()
 
     async def read_now(self, turn_id: str, after: int) -> list[tuple[int, dict]]:
-        entries = await self.aclient().xrange(_stream_key(turn_id), min=f"(0-{after}", max="+", count=500)
+        entries = await self.aclient().xrange(stream_key(turn_id), min=f"(0-{after}", max="+", count=500)
         return [(int(entry_id.split("-")[1]), json.loads(fields["e"])) for entry_id, fields in entries]
 
     def watch(self, turn_id: str):
         """An async context giving a Watcher that is handed the turn's new events as published."""
         hub = self._per_loop(self._hubs, lambda: _NotifyHub(self.aclient()))
-        return hub.watch(_notify_channel(turn_id))
+        return hub.watch(notify_channel(turn_id))
 
     def read_all_sync(self, turn_id: str) -> list[tuple[int, dict]]:
-        entries = self.sync.xrange(_stream_key(turn_id))
+        entries = self.sync.xrange(stream_key(turn_id))
         return [(int(entry_id.split("-")[1]), json.loads(fields["e"])) for entry_id, fields in entries]
 
     async def last(self, turn_id: str) -> tuple[int, dict] | None:
-        entries = await self.aclient().xrevrange(_stream_key(turn_id), count=1)
+        entries = await self.aclient().xrevrange(stream_key(turn_id), count=1)
         return (int(entries[0][0].split("-")[1]), json.loads(entries[0][1]["e"])) if entries else None
 
     def last_sync(self, turn_id: str) -> tuple[int, dict] | None:
-        entries = self.sync.xrevrange(_stream_key(turn_id), count=1)
+        entries = self.sync.xrevrange(stream_key(turn_id), count=1)
         return (int(entries[0][0].split("-")[1]), json.loads(entries[0][1]["e"])) if entries else None
 
     # liveness
     def set_lease_sync(self, turn_id: str) -> None:
-        self.sync.set(_lease_key(turn_id), "1", px=int(settings.AAP_TURN_LEASE_SECONDS * 1000))
+        self.sync.set(lease_key(turn_id), "1", px=int(settings.AAP_TURN_LEASE_SECONDS * 1000))
 
     async def refresh_lease(self, turn_id: str) -> None:
-        await self.aclient().set(_lease_key(turn_id), "1", px=int(settings.AAP_TURN_LEASE_SECONDS * 1000))
+        await self.aclient().set(lease_key(turn_id), "1", px=int(settings.AAP_TURN_LEASE_SECONDS * 1000))
 
     def clear_lease_sync(self, turn_id: str) -> None:
-        self.sync.delete(_lease_key(turn_id))
+        self.sync.delete(lease_key(turn_id))
 
     def lease_alive_sync(self, turn_id: str) -> bool:
-        return bool(self.sync.exists(_lease_key(turn_id)))
+        return bool(self.sync.exists(lease_key(turn_id)))
 
     # dispatch marks: a turn handed to the broker, in the broker's own Redis (they vanish together)
     def mark_dispatched_sync(self, turn_id: str, ttl: float) -> None:
-        self.sync.set(_dispatch_key(turn_id), "1", px=int(ttl * 1000))
+        self.sync.set(dispatch_key(turn_id), "1", px=int(ttl * 1000))
 
     def dispatched_sync(self, turn_id: str) -> bool:
-        return bool(self.sync.exists(_dispatch_key(turn_id)))
+        return bool(self.sync.exists(dispatch_key(turn_id)))
 
     def clear_dispatched_sync(self, turn_id: str) -> None:
-        self.sync.delete(_dispatch_key(turn_id))
+        self.sync.delete(dispatch_key(turn_id))
 
     # cancel
     def request_cancel_sync(self, turn_id: str) -> None:
         pipe = self.sync.pipeline(transaction=False)
-        pipe.set(_cancel_key(turn_id), "1", ex=live_stream_ttl())
+        pipe.set(cancel_key(turn_id), "1", ex=live_stream_ttl())
         pipe.publish(CANCEL_CHANNEL, turn_id)
         pipe.execute()
 
     async def cancel_requested(self, turn_id: str) -> bool:
-        return bool(await self.aclient().exists(_cancel_key(turn_id)))
+        return bool(await self.aclient().exists(cancel_key(turn_id)))
 
     async def listen_cancels(self, on_cancel: Callable[[str], None]) -> None:
         """Run forever on the runtime loop: dispatch cancel signals to running turns."""
@@ -330,174 +275,3 @@ class RedisEvents:
 
     def ping_sync(self) -> None:
         self.sync.ping()
-
-
-class _MemoryLog:
-    __slots__ = ("events", "waiters", "expires_at")
-
-    def __init__(self):
-        self.events: list[tuple[int, dict]] = []
-        self.waiters: list[tuple[asyncio.AbstractEventLoop, Watcher]] = []
-        self.expires_at: float | None = None
-
-
-class MemoryEvents:
-    """The embedded mode's event stream: one process, any threads, any event loops."""
-
-    def __init__(self):
-        self._logs: dict[str, _MemoryLog] = {}
-        self._leases: dict[str, float] = {}
-        self._dispatched: dict[str, float] = {}
-        self._cancelled: set[str] = set()
-        self._cancel_handlers: list[Callable[[str], None]] = []
-        self._lock = threading.Lock()
-
-    def _log(self, turn_id: str) -> _MemoryLog:
-        log = self._logs.get(turn_id)
-        if log is None:
-            log = self._logs[turn_id] = _MemoryLog()
-        return log
-
-    def _prune(self) -> None:
-        now = time.monotonic()
-        for turn_id in [t for t, log in self._logs.items() if log.expires_at and log.expires_at < now]:
-            del self._logs[turn_id]
-
-    def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
-        with self._lock:
-            log = self._log(turn_id)
-            if log.events and log.events[-1][0] >= seq:
-                raise ValueError("event ids must increase")
-            log.events.append((seq, event))
-            if final:
-                log.expires_at = time.monotonic() + settings.AAP_EVENT_RETENTION_SECONDS
-                self._prune()
-            waiters = list(log.waiters)
-        for loop, watcher in waiters:
-            loop.call_soon_threadsafe(watcher.wake.set)
-
-    async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]]) -> None:
-        for seq, event in batch:
-            self.publish_sync(turn_id, seq, event)
-
-    async def read_now(self, turn_id: str, after: int) -> list[tuple[int, dict]]:
-        with self._lock:
-            log = self._logs.get(turn_id)
-            return [item for item in log.events if item[0] > after] if log else []
-
-    @contextlib.asynccontextmanager
-    async def watch(self, turn_id: str):
-        waiter = (asyncio.get_running_loop(), Watcher())
-        with self._lock:
-            self._log(turn_id).waiters.append(waiter)
-        try:
-            yield waiter[1]
-        finally:
-            with self._lock:
-                log = self._logs.get(turn_id)
-                if log is not None and waiter in log.waiters:
-                    log.waiters.remove(waiter)
-
-    def read_all_sync(self, turn_id: str) -> list[tuple[int, dict]]:
-        with self._lock:
-            log = self._logs.get(turn_id)
-            return list(log.events) if log else []
-
-    def last_sync(self, turn_id: str) -> tuple[int, dict] | None:
-        with self._lock:
-            log = self._logs.get(turn_id)
-            return log.events[-1] if log and log.events else None
-
-    async def last(self, turn_id: str) -> tuple[int, dict] | None:
-        return self.last_sync(turn_id)
-
-    def set_lease_sync(self, turn_id: str) -> None:
-        self._leases[turn_id] = time.monotonic() + settings.AAP_TURN_LEASE_SECONDS
-
-    async def refresh_lease(self, turn_id: str) -> None:
-        self.set_lease_sync(turn_id)
-
-    def clear_lease_sync(self, turn_id: str) -> None:
-        self._leases.pop(turn_id, None)
-
-    def lease_alive_sync(self, turn_id: str) -> bool:
-        return self._leases.get(turn_id, 0) > time.monotonic()
-
-    def mark_dispatched_sync(self, turn_id: str, ttl: float) -> None:
-        self._dispatched[turn_id] = time.monotonic() + ttl
-
-    def dispatched_sync(self, turn_id: str) -> bool:
-        return self._dispatched.get(turn_id, 0) > time.monotonic()
-
-    def clear_dispatched_sync(self, turn_id: str) -> None:
-        self._dispatched.pop(turn_id, None)
-
-    def request_cancel_sync(self, turn_id: str) -> None:
-        self._cancelled.add(turn_id)
-        for handler in list(self._cancel_handlers):
-            handler(turn_id)
-
-    async def cancel_requested(self, turn_id: str) -> bool:
-        return turn_id in self._cancelled
-
-    async def listen_cancels(self, on_cancel: Callable[[str], None]) -> None:
-        self._cancel_handlers.append(on_cancel)
-        await asyncio.Event().wait()
-
-    def ping_sync(self) -> None:
-        return None
-
-
-@cache
-def backend() -> RedisEvents | MemoryEvents:
-    return RedisEvents(settings.REDIS_URL) if settings.REDIS_URL else MemoryEvents()
-
-
-def last_seq_sync(turn_id: str) -> int:
-    last = backend().last_sync(turn_id)
-    return last[0] if last else 0
-
-
-QUIET = None  # what follow() yields when nothing happened for a while
-
-
-async def follow(turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0) -> AsyncIterator[tuple[int, dict] | None]:
-    """Every event of the turn after `after`, live, until its `turn_stop`.
-
-    Yields QUIET when `quiet_seconds` pass with no event, so the caller can ping the client
-    and check that the turn is still alive.
-    """
-    events = backend()
-
-    async def reader_has_the_stop() -> bool:
-        # e.g. an EventSource reconnecting after the end: nothing will ever come after `after`
-        last = await events.last(turn_id)
-        return last is not None and last[0] <= after and last[1].get("event") == "turn_stop"
-
-    async with events.watch(turn_id) as watcher:
-        if after and await reader_has_the_stop():
-            return
-        read = True  # the stream is read to replay, to fill a gap, and when woken without events
-        while True:
-            woken = watcher.wake.is_set()
-            watcher.wake.clear()  # before reading: a publication during the read is not lost
-            items = [] if read else watcher.take(after)
-            # A wake-up without events: the hub reconnected, or the in-memory backend.
-            if read or (items and items[0][0] != after + 1) or (woken and not items):
-                items = await events.read_now(turn_id, after)
-            read = False
-            if not items:
-                try:
-                    async with asyncio.timeout(quiet_seconds):  # no task per wait, unlike wait_for
-                        await watcher.wake.wait()
-                except TimeoutError:
-                    if after and await reader_has_the_stop():
-                        return
-                    read = True  # a missed publication is found here at the latest
-                    yield QUIET
-                continue
-            for seq, event in items:
-                after = seq
-                yield seq, event
-                if event.get("event") == "turn_stop":
-                    return

@@ -1,0 +1,129 @@
+"""The embedded mode's event backend: the same interface as RedisEvents, inside one process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+
+from django.conf import settings
+
+from .watcher import Watcher
+
+
+class _MemoryLog:
+    __slots__ = ("events", "waiters", "expires_at")
+
+    def __init__(self):
+        self.events: list[tuple[int, dict]] = []
+        self.waiters: list[tuple[asyncio.AbstractEventLoop, Watcher]] = []
+        self.expires_at: float | None = None
+
+
+class MemoryEvents:
+    """The embedded mode's event stream: one process, any threads, any event loops."""
+
+    def __init__(self):
+        self._logs: dict[str, _MemoryLog] = {}
+        self._leases: dict[str, float] = {}
+        self._dispatched: dict[str, float] = {}
+        self._cancelled: set[str] = set()
+        self._cancel_handlers: list[Callable[[str], None]] = []
+        self._lock = threading.Lock()
+
+    def _log(self, turn_id: str) -> _MemoryLog:
+        log = self._logs.get(turn_id)
+        if log is None:
+            log = self._logs[turn_id] = _MemoryLog()
+        return log
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for turn_id in [t for t, log in self._logs.items() if log.expires_at and log.expires_at < now]:
+            del self._logs[turn_id]
+
+    def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
+        with self._lock:
+            log = self._log(turn_id)
+            if log.events and log.events[-1][0] >= seq:
+                raise ValueError("event ids must increase")
+            log.events.append((seq, event))
+            if final:
+                log.expires_at = time.monotonic() + settings.AAP_EVENT_RETENTION_SECONDS
+                self._prune()
+            waiters = list(log.waiters)
+        for loop, watcher in waiters:
+            loop.call_soon_threadsafe(watcher.wake.set)
+
+    async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]]) -> None:
+        for seq, event in batch:
+            self.publish_sync(turn_id, seq, event)
+
+    async def read_now(self, turn_id: str, after: int) -> list[tuple[int, dict]]:
+        with self._lock:
+            log = self._logs.get(turn_id)
+            return [item for item in log.events if item[0] > after] if log else []
+
+    @contextlib.asynccontextmanager
+    async def watch(self, turn_id: str):
+        waiter = (asyncio.get_running_loop(), Watcher())
+        with self._lock:
+            self._log(turn_id).waiters.append(waiter)
+        try:
+            yield waiter[1]
+        finally:
+            with self._lock:
+                log = self._logs.get(turn_id)
+                if log is not None and waiter in log.waiters:
+                    log.waiters.remove(waiter)
+
+    def read_all_sync(self, turn_id: str) -> list[tuple[int, dict]]:
+        with self._lock:
+            log = self._logs.get(turn_id)
+            return list(log.events) if log else []
+
+    def last_sync(self, turn_id: str) -> tuple[int, dict] | None:
+        with self._lock:
+            log = self._logs.get(turn_id)
+            return log.events[-1] if log and log.events else None
+
+    async def last(self, turn_id: str) -> tuple[int, dict] | None:
+        return self.last_sync(turn_id)
+
+    def set_lease_sync(self, turn_id: str) -> None:
+        self._leases[turn_id] = time.monotonic() + settings.AAP_TURN_LEASE_SECONDS
+
+    async def refresh_lease(self, turn_id: str) -> None:
+        self.set_lease_sync(turn_id)
+
+    def clear_lease_sync(self, turn_id: str) -> None:
+        self._leases.pop(turn_id, None)
+
+    def lease_alive_sync(self, turn_id: str) -> bool:
+        return self._leases.get(turn_id, 0) > time.monotonic()
+
+    def mark_dispatched_sync(self, turn_id: str, ttl: float) -> None:
+        self._dispatched[turn_id] = time.monotonic() + ttl
+
+    def dispatched_sync(self, turn_id: str) -> bool:
+        return self._dispatched.get(turn_id, 0) > time.monotonic()
+
+    def clear_dispatched_sync(self, turn_id: str) -> None:
+        self._dispatched.pop(turn_id, None)
+
+    def request_cancel_sync(self, turn_id: str) -> None:
+        self._cancelled.add(turn_id)
+        for handler in list(self._cancel_handlers):
+            handler(turn_id)
+
+    async def cancel_requested(self, turn_id: str) -> bool:
+        return turn_id in self._cancelled
+
+    async def listen_cancels(self, on_cancel: Callable[[str], None]) -> None:
+        self._cancel_handlers.append(on_cancel)
+        await asyncio.Event().wait()
+
+    def ping_sync(self) -> None:
+        return None

@@ -1,0 +1,235 @@
+"""Running a queued turn on a worker: claim it once, plan it from PostgreSQL, run the
+agent, persist its messages, pending calls and usage atomically, then publish `turn_stop`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from django.conf import settings
+from django.db import InterfaceError, OperationalError, connection, transaction
+
+from agents.models import Agent
+from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
+from agents.selectors import agent_definition, server_tool_specs
+from hosting.errors import describe_failure
+from hosting.logs import bind_log_context
+
+from .. import events, host, liveness, turn_store
+from ..models import Message, Session, Turn
+from ..protocol import dumps, unstorable
+from .endings import LOST_ERROR, publish_stop, publish_stop_if_missing
+from .history import apply_compaction
+from .validation import effective_options
+
+logger = logging.getLogger(__name__)
+
+
+def _server_bindings(agent: Agent, refs: list[dict] | None) -> dict[str, ServerToolBinding]:
+    if not refs:
+        return {}
+    specs = {spec["name"]: spec for spec in server_tool_specs(agent)}
+    rows = {tool.name: tool for tool in agent.server_tools.all()}
+    bindings = {}
+    for ref in refs:
+        spec = specs.get(ref["name"])
+        if spec is None:
+            continue  # the operator removed it since; the agent no longer sees it
+        row = rows.get(ref["name"])
+        bindings[ref["name"]] = ServerToolBinding(
+            spec=spec,
+            trust=bool(ref.get("trust")),
+            implementation=row.implementation if row else "",
+            settings=row.settings if row else {},
+        )
+    return bindings
+
+
+def _plan(turn_id: str, claimed: turn_store.ClaimedTurn, session: turn_store.TurnSession) -> tuple[host.TurnPlan, list[tuple[int, dict]]]:
+    import json
+
+    agent = agent_definition(session.agent_id, session.agent_revision)
+    rows = turn_store.compacted_history(claimed.session_pk)
+    compacted = [(seq, json.loads(data)) for seq, data, _ in rows]
+    incoming = [message for (seq, message), (_, _, row_turn) in zip(compacted, rows) if row_turn == turn_id]
+    permissions = [
+        PermissionAnswer(ToolCall(p["toolCallId"], p["name"], p.get("input", {})), p["granted"], p.get("reason"))
+        for p in claimed.permissions
+    ]
+    plan = host.TurnPlan(
+        turn_id=turn_id,
+        session_id=session.public_id,
+        tenant=session.tenant_name,
+        agent_name=agent.name,
+        runtime_kind=agent.runtime_kind,
+        config=agent.runtime_config or {},
+        options=effective_options(agent, session.options),
+        options_set=frozenset(session.options),
+        server_tools=_server_bindings(agent, session.server_tools),
+        client_tools={tool["name"]: tool for tool in session.client_tools or []},
+        history=[message for _, message in compacted],
+        incoming=incoming,
+        permissions=permissions,
+        stream=claimed.stream,
+        capabilities=agent.capabilities(),
+    )
+    return plan, compacted
+
+
+DB_ERRORS = (OperationalError, InterfaceError)
+
+
+def _with_db_retry(function, *args):
+    """Call `function`, retrying while PostgreSQL is briefly unreachable (a restart, a
+    failover): a worker's claim or finish must not turn a database blip into a lost turn."""
+    deadline = time.monotonic() + settings.AAP_DB_RETRY_SECONDS
+    pause = 0.2
+    while True:
+        try:
+            return function(*args)
+        except DB_ERRORS as exc:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("database unavailable (%s); retrying %s", type(exc).__name__, function.__name__)
+            connection.close()  # a broken connection goes back to the pool, which discards it
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)
+
+
+def _output_json(turn_id: str) -> str | None:
+    shaped = host.output_so_far(turn_id)
+    return dumps(shaped) if shaped else None
+
+
+def turn_execute(turn_id: str) -> None:
+    """Run a queued turn to its end and persist it. Safe to call twice (the second is a no-op)."""
+    backend = events.backend()
+    try:
+        backend.set_lease_sync(turn_id)  # the Redis lease backs up the PostgreSQL heartbeat
+    except Exception as exc:
+        logger.warning("no Redis lease for turn %s (%s); its heartbeat stands alone", turn_id, type(exc).__name__)
+    # One conditional UPDATE claims the turn: a second delivery of the task finds nothing to do.
+    try:
+        claimed = _with_db_retry(turn_store.claim_turn, turn_id)
+    except DB_ERRORS:
+        try:
+            backend.clear_dispatched_sync(turn_id)  # the outbox dispatches it again once PostgreSQL is back
+        except Exception:
+            pass
+        raise
+    if claimed is None:
+        return
+    liveness.track(turn_id, None if claimed.stream == "delta" else lambda: _output_json(turn_id))
+    try:
+        _execute_claimed(turn_id, claimed)
+    finally:
+        liveness.untrack(turn_id)
+
+
+def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn) -> None:
+    try:
+        events.backend().clear_dispatched_sync(turn_id)
+    except Exception:
+        pass  # the mark expires by itself
+    session = _with_db_retry(turn_store.session_for_turn, claimed.session_pk)
+    if session is None:
+        return
+    bind_log_context(tenant=session.tenant_name, session=session.public_id)
+    try:
+        plan, compacted = _with_db_retry(_plan, turn_id, claimed, session)
+    except Exception as exc:
+        logger.error("turn %s could not be prepared: %s", turn_id, type(exc).__name__)
+        try:
+            last = events.last_seq_sync(turn_id)
+        except Exception:
+            last = 1
+        outcome = host.TurnOutcome(
+            "error", [], [], last, error="The turn could not be prepared.",
+            stop_meta={"error": "The turn could not be prepared."},
+        )
+        compacted = []
+    else:
+        # The agent may run for minutes: give the connection back to the pool meanwhile.
+        connection.close()
+        outcome = host.execute_sync(plan)
+    try:
+        _with_db_retry(_finish, turn_id, claimed.session_pk, outcome, compacted)
+    except Exception as exc:
+        # Never re-raised to Celery, which would log the database's text (it quotes the values).
+        logger.error("turn %s could not be stored: %s", turn_id, describe_failure(exc))
+        try:
+            events.backend().clear_lease_sync(turn_id)  # with its heartbeat stopped, it ends as lost
+        except Exception:
+            pass
+
+
+def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted: list[tuple[int, dict]]) -> None:
+    """Persist a turn's messages, pending calls and usage atomically, then publish turn_stop."""
+    problem = unstorable(outcome.pending_calls)
+    if problem:
+        # History keeps the calls as produced (stored as text); jsonb cannot keep them pending.
+        sentence = "The agent produced a tool call that cannot be kept waiting for an answer: its input holds " \
+                   "a NUL character (\\u0000) or a non-finite number."
+        outcome = dataclasses.replace(
+            outcome, stop_reason="error", pending_calls=[], error=sentence, stop_meta={**outcome.stop_meta, "error": sentence}
+        )
+    with transaction.atomic():
+        ended = turn_store.end_turn(
+            turn_id,
+            stop_reason=outcome.stop_reason,
+            cancelled=outcome.cancelled,
+            error=outcome.error[:500],
+            prompt_tokens=outcome.prompt_tokens,
+            completion_tokens=outcome.completion_tokens,
+            model_calls=outcome.model_calls,
+            produced=bool(outcome.messages),
+        )
+        reclaimed = not ended and _reclaim_declared_lost(turn_id, session_pk, outcome)
+        if not ended and not reclaimed:
+            # Deleted with its session, or this is a retry whose first commit went through
+            # (or a lost turn whose session moved on): the stream gets the stored ending.
+            transaction.on_commit(lambda: publish_stop_if_missing(turn_id))
+            return
+        last = turn_store.close_turn_on_session(
+            session_pk,
+            added=len(outcome.messages),
+            pending_calls=outcome.pending_calls,
+            prompt_tokens=outcome.prompt_tokens,
+            completion_tokens=outcome.completion_tokens,
+        )
+        if last is None:
+            return
+        first = last - len(outcome.messages) + 1
+        seqs = turn_store.insert_messages(session_pk, first, outcome.messages, turn_id=turn_id)
+        apply_compaction(session_pk, last, compacted + list(zip(seqs, outcome.messages)), outcome.compaction)
+        meta = dict(outcome.stop_meta)
+        if outcome.model_calls:
+            meta["usage"] = {"promptTokens": outcome.prompt_tokens, "completionTokens": outcome.completion_tokens}
+        if reclaimed:
+            return  # its listeners already got the recovery's ending; history and the turn hold the truth
+        transaction.on_commit(lambda: publish_stop(turn_id, outcome.stop_reason, meta, seq=outcome.last_seq + 1))
+
+
+def _reclaim_declared_lost(turn_id: str, session_pk: int, outcome: host.TurnOutcome) -> bool:
+    """A worker finished a turn that was declared lost meanwhile (it was frozen longer than
+    the lease): its real result wins. When nothing was written to the session since, what
+    the recovery stored is taken back and the turn is running again, for _finish to end it."""
+    session = Session.objects.select_for_update().filter(pk=session_pk).first()
+    turn = Turn.objects.select_for_update().filter(id=turn_id).first()
+    if session is None or turn is None or turn.status != Turn.DONE or turn.error != LOST_ERROR:
+        return False
+    last_of_turn = Message.objects.filter(session_id=session_pk, kind=Message.FULL, turn_id=turn_id).order_by("-seq").first()
+    if session.active_turn_id is not None or last_of_turn is None or last_of_turn.seq != session.message_seq:
+        logger.warning("turn %s finished after it was declared lost and its session moved on; kept as lost", turn_id)
+        return False
+    cut = turn.output_seq or session.message_seq + 1
+    Message.objects.filter(session_id=session_pk, turn_id=turn_id, seq__gte=cut).delete()
+    Session.objects.filter(pk=session_pk).update(message_seq=cut - 1)
+    Turn.objects.filter(id=turn_id).update(status=Turn.RUNNING, stop_reason="", error="", finished_at=None, output_seq=0)
+    logger.warning("turn %s finished after it was declared lost; its real result replaces the recovered one", turn_id)
+    return turn_store.end_turn(
+        turn_id, stop_reason=outcome.stop_reason, cancelled=outcome.cancelled, error=outcome.error[:500],
+        prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
+        model_calls=outcome.model_calls, produced=bool(outcome.messages),
+    )

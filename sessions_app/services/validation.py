@@ -1,0 +1,179 @@
+"""Checks of a session's or a turn's request against its agent: options (secrets encrypted),
+server tools, client tools, images, stream mode, and answers to pending tool calls."""
+
+from __future__ import annotations
+
+from agents.models import Agent, AgentOption
+from agents.selectors import server_tool_specs
+from hosting import crypto
+from hosting.errors import BadRequest
+
+from ..protocol import content_images, image_kind
+
+
+def _declared_options(agent: Agent) -> dict[str, AgentOption]:
+    return {option.name: option for option in agent.options.all()}
+
+
+def merge_options(agent: Agent, stored: dict, incoming: dict) -> dict:
+    """Validate option values and merge them over the stored ones (secrets encrypted)."""
+    declared = _declared_options(agent)
+    unknown = sorted(set(incoming) - set(declared))
+    if unknown:
+        names = ", ".join(declared) or "none"
+        raise BadRequest(
+            f"Unknown option {', '.join(repr(u) for u in unknown)} for agent '{agent.name}'; "
+            f"its options are: {names}.",
+            details={"unknownOptions": unknown},
+        )
+    merged = dict(stored)
+    for name, value in incoming.items():
+        option = declared[name]
+        if option.type == AgentOption.SELECT and value not in option.choices:
+            raise BadRequest(
+                f"Option '{name}' must be one of: {', '.join(option.choices)} (got {value!r}).",
+            )
+        if option.is_secret and value == crypto.REDACTED:
+            continue  # the placeholder means: keep the value in effect (at creation: the default)
+        if value == option.public_default():
+            # The advertised default (what a UI pre-fills from /meta) means "the default":
+            # the same as not sending the option, or going back to the default on a turn.
+            merged.pop(name, None)
+        elif option.is_secret:
+            merged[name] = crypto.encrypt(value)
+        else:
+            merged[name] = value
+    return merged
+
+
+def effective_options(agent: Agent, stored: dict) -> dict[str, str]:
+    """Every declared option's value for the runtime: set value, else default (decrypted)."""
+    values = {}
+    for option in agent.options.all():
+        if option.name in stored:
+            values[option.name] = crypto.decrypt(stored[option.name]) if option.is_secret else stored[option.name]
+        else:
+            values[option.name] = option.default_value()
+    return values
+
+
+def redacted_options(agent: Agent, stored: dict) -> dict[str, str]:
+    secret = {o.name for o in agent.options.all() if o.is_secret}
+    return {name: (crypto.REDACTED if name in secret else value) for name, value in stored.items()}
+
+
+def validate_server_tools(agent: Agent, refs: list[dict]) -> list[dict]:
+    exposed = {spec["name"] for spec in server_tool_specs(agent)}
+    seen = set()
+    for ref in refs:
+        if ref["name"] not in exposed:
+            raise BadRequest(
+                f"Agent '{agent.name}' exposes no server tool named '{ref['name']}'; "
+                f"see GET /v1/meta (it exposes: {', '.join(sorted(exposed)) or 'none'}).",
+            )
+        if ref["name"] in seen:
+            raise BadRequest(f"Server tool '{ref['name']}' is listed twice in agent.tools.")
+        seen.add(ref["name"])
+    return [{"name": ref["name"], "trust": bool(ref.get("trust", False))} for ref in refs]
+
+
+def validate_client_tools(agent: Agent, tools: list[dict] | None, server_refs: list[dict] | None) -> None:
+    if tools is None:
+        return
+    if tools and "application" not in agent.capabilities():
+        raise BadRequest(f"Agent '{agent.name}' does not accept client tools (capabilities.application.tools).")
+    names = [tool["name"] for tool in tools]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise BadRequest(f"Client tool names must be unique; repeated: {', '.join(duplicates)}.")
+    collisions = sorted(set(names) & {ref["name"] for ref in server_refs or []})
+    if collisions:
+        raise BadRequest(
+            f"Tool name collision: {', '.join(collisions)} is both a client tool and an enabled server tool."
+        )
+
+
+def check_images(agent: Agent, messages: list[dict]) -> None:
+    supported = agent.capabilities().get("image", {})
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for block in content_images(content):
+            kind = image_kind(block["url"])
+            if kind not in supported:
+                label = "https:// image URLs" if kind == "http" else "data: image URIs"
+                raise BadRequest(f"Agent '{agent.name}' does not accept {label} (capabilities.image.{kind}).")
+
+
+def check_stream(agent: Agent, mode: str) -> None:
+    if mode not in agent.capabilities().get("stream", {}):
+        modes = ", ".join(agent.capabilities().get("stream", {}))
+        raise BadRequest(f"Agent '{agent.name}' does not support stream '{mode}'; it supports: {modes}.")
+
+
+def answers_for_pending(pending: list[dict], messages: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Check a turn's messages against the pending calls; returns (tool messages, permissions)."""
+    by_id = {call["toolCallId"]: call for call in pending}
+    roles = [m["role"] for m in messages]
+    if not pending:
+        if roles != ["user"]:
+            ids = [m.get("toolCallId") for m in messages if m["role"] != "user"]
+            if ids:
+                raise BadRequest(
+                    f"No tool calls are pending, so these answers match nothing: {', '.join(ids)}; "
+                    "send one user message.",
+                    details={"toolCallIds": ids},
+                )
+            raise BadRequest("Send exactly one user message per turn.")
+        return [], []
+    if "user" in roles:
+        ids = list(by_id)
+        raise BadRequest(
+            f"Tool calls are pending ({', '.join(ids)}); answer each with a 'tool' message (client tools) "
+            "or a 'tool_permission' message (server tools) before sending a user message.",
+            details={"pendingToolCallIds": ids},
+        )
+    seen: set[str] = set()
+    unknown, duplicate, wrong = [], [], []
+    for message in messages:
+        call_id = message["toolCallId"]
+        call = by_id.get(call_id)
+        if call is None:
+            unknown.append(call_id)
+        elif call_id in seen:
+            duplicate.append(call_id)
+        elif (message["role"] == "tool") != (call["kind"] == "client"):
+            wrong.append(call_id)
+        seen.add(call_id)
+    missing = [call_id for call_id in by_id if call_id not in seen]
+    problems = []
+    if unknown:
+        problems.append(f"unknown toolCallId {', '.join(unknown)}")
+    if duplicate:
+        problems.append(f"answered more than once: {', '.join(duplicate)}")
+    if wrong:
+        problems.append(
+            f"wrong answer kind for {', '.join(wrong)} (client tools take a 'tool' message, "
+            "server tools a 'tool_permission')"
+        )
+    if missing:
+        problems.append(f"not answered: {', '.join(missing)}")
+    if problems:
+        raise BadRequest(
+            "The messages must answer every pending tool call exactly once: " + "; ".join(problems) + ".",
+            details={"unknown": unknown, "duplicate": duplicate, "wrongKind": wrong, "missing": missing},
+        )
+    tool_messages = [m for m in messages if m["role"] == "tool"]
+    permissions = [
+        {
+            "toolCallId": m["toolCallId"],
+            "name": by_id[m["toolCallId"]]["name"],
+            "input": by_id[m["toolCallId"]].get("input", {}),
+            "granted": m["granted"],
+            "reason": m.get("reason") or None,
+        }
+        for m in messages
+        if m["role"] == "tool_permission"
+    ]
+    return tool_messages, permissions

@@ -1,0 +1,65 @@
+"""Pooled PostgreSQL connections are checked only after sitting idle (hosting/postgres)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hosting.postgres import base
+
+
+class Conn:
+    """Stands for a psycopg connection (weak-referenceable, hashable)."""
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    calls: list = []
+    from psycopg_pool import ConnectionPool
+
+    monkeypatch.setattr(ConnectionPool, "check_connection", staticmethod(calls.append))
+    return calls
+
+
+def test_a_connection_never_returned_is_checked(checks):
+    conn = Conn()
+    base.check(conn)
+    assert checks == [conn]
+
+
+def test_a_connection_returned_moments_ago_is_not_checked(checks, monkeypatch):
+    conn = Conn()
+    monkeypatch.setattr(base.time, "monotonic", lambda: 100.0)
+    base.returned(conn)
+    monkeypatch.setattr(base.time, "monotonic", lambda: 100.0 + base.IDLE_SECONDS / 2)
+    base.check(conn)
+    assert checks == []
+
+
+def test_a_connection_idle_for_a_while_is_checked_and_a_dead_one_raises(monkeypatch):
+    from psycopg_pool import ConnectionPool
+
+    conn = Conn()
+    monkeypatch.setattr(base.time, "monotonic", lambda: 100.0)
+    base.returned(conn)
+    monkeypatch.setattr(base.time, "monotonic", lambda: 100.0 + base.IDLE_SECONDS + 0.1)
+
+    def dead(c):
+        raise OSError("server closed the connection")
+
+    monkeypatch.setattr(ConnectionPool, "check_connection", staticmethod(dead))
+    with pytest.raises(OSError):
+        base.check(conn)
+
+
+def test_the_backend_installs_its_check_and_reset_on_djangos_pool(monkeypatch):
+    """Django builds the pool with its own check; the backend swaps in its hooks before the
+    pool opens (the pool's attribute names are psycopg_pool's: a library upgrade that renames
+    them fails here, not in production)."""
+    from psycopg_pool import ConnectionPool
+
+    pool = ConnectionPool(conninfo="", open=False, check=ConnectionPool.check_connection)
+    assert hasattr(pool, "_check") and hasattr(pool, "_reset")
+    monkeypatch.setattr(base.base.DatabaseWrapper, "pool", property(lambda self: pool))
+    wrapper = base.DatabaseWrapper.__new__(base.DatabaseWrapper)
+    assert wrapper.pool is pool
+    assert pool._check is base.check and pool._reset is base.returned
