@@ -223,16 +223,6 @@ def heartbeat(turn_ids: list[str], partials: dict[str, str]) -> None:
             cursor.execute(f"UPDATE {T} SET partial = %s WHERE id = %s AND status = %s", [text, turn_id, Turn.RUNNING])
 
 
-def queued_turns(older_than: datetime, limit: int = 500) -> list[str]:
-    """Ids of turns still queued that were created before `older_than`, oldest first."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT id FROM {T} WHERE status = %s AND created_at < %s ORDER BY created_at LIMIT %s",
-            [Turn.QUEUED, connection.ops.adapt_datetimefield_value(older_than), limit],
-        )
-        return [row[0] for row in cursor.fetchall()]
-
-
 def turn_output(turn_id: str, session_pk: int, output_seq: int) -> list[dict]:
     """The messages a finished turn added to full history, in order."""
     if not output_seq:
