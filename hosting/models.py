@@ -43,7 +43,7 @@ class Tenant(models.Model):
     # Fair scheduling (sessions_app.dispatch): free worker slots go to the tenant with the
     # fewest running turns per unit of weight.
     weight = models.PositiveSmallIntegerField(
-        default=1, validators=[MinValueValidator(1), MaxValueValidator(1000)],
+        default=1, db_default=1, validators=[MinValueValidator(1), MaxValueValidator(1000)],
         help_text="Share of the workers when they are all busy: a tenant of weight 2 runs twice as many turns "
         "at once as a tenant of weight 1 that waits too (1-1000).",
     )
