@@ -10,7 +10,7 @@
 Tool helpers: a `ToolRegistry` answers client tools with Python functions, and
 `converse()` runs turns until the agent stops asking for tools (client tools from the
 registry, permissions for server tools from a callback). This service's extensions are typed:
-`turn_id`, `events_ticket`, `usage`, re-attach with `Last-Event-ID`, cancel, idempotency keys.
+`turn_id`, `events_ticket`, `usage`, `queued`, re-attach with `Last-Event-ID`, cancel, idempotency keys.
 """
 
 from __future__ import annotations
@@ -115,6 +115,12 @@ class _StreamBase:
     def last_event_id(self) -> str | None:
         """What to send as `Last-Event-ID` to re-attach after a broken connection."""
         return self._parser.last_event_id
+
+    @property
+    def queued(self) -> dict | None:
+        """`{"position": n}` while the turn waits for a worker (from `turn_start` and the
+        `: queued` comments that follow it); None once it runs or if it never waited."""
+        return self._parser.queued
 
     def _feed(self, chunk: bytes) -> list[Event]:
         events = self._parser.feed(chunk)

@@ -26,7 +26,9 @@ def sse_frame(event_id: str | int | None, event: dict) -> bytes:
 class SSEParser:
     """Incremental SSE parser (the WHATWG event-stream rules): feed it bytes as they arrive,
     in chunks of any size, and get the complete AAP events. Comments (`: ping`) are counted
-    in `pings`; `last_event_id` is the last `id:` seen (what to send as `Last-Event-ID`)."""
+    in `pings`; `last_event_id` is the last `id:` seen (what to send as `Last-Event-ID`);
+    `queued` is the place of the latest `: queued {"position": n}` comment of this service
+    (a turn waiting for a worker), None once an event follows it."""
 
     def __init__(self) -> None:
         self._buffer = b""
@@ -35,6 +37,7 @@ class SSEParser:
         self._id: str | None = None
         self.last_event_id: str | None = None
         self.pings = 0
+        self.queued: dict | None = None
         self.retry_ms: int | None = None
 
     def feed(self, chunk: bytes) -> list[Event]:
@@ -66,6 +69,12 @@ class SSEParser:
             return self._dispatch()
         if line.startswith(":"):
             self.pings += 1
+            if line.startswith(": queued "):
+                try:
+                    place = json.loads(line[len(": queued "):])
+                except ValueError:
+                    place = None
+                self.queued = place if isinstance(place, dict) else None
             return None
         name, _, value = line.partition(":")
         value = value[1:] if value.startswith(" ") else value
@@ -90,7 +99,9 @@ class SSEParser:
         self._data, self._event = [], ""
         data = json.loads(raw)
         numeric = event_id if event_id is not None and event_id.isascii() and event_id.isdigit() else None
-        return Event(name, data if isinstance(data, dict) else {"data": data}, int(numeric) if numeric else None)
+        event = Event(name, data if isinstance(data, dict) else {"data": data}, int(numeric) if numeric else None)
+        self.queued = event.queued  # turn_start says whether it waits; any later event: it runs
+        return event
 
 
 def parse_sse(raw: bytes) -> list[Event]:

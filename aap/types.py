@@ -127,6 +127,13 @@ class SessionInfo(TypedDict):
 # --- events -------------------------------------------------------------------------------
 
 
+class QueuedPlace(TypedDict):
+    """Where a turn waits for a worker (`turn_start._meta.queued`, `: queued` comments)."""
+
+    position: int
+
+
+
 @dataclass
 class Event:
     """One AAP event: `event` is its name, `data` its JSON (without the name), `id` the SSE id
@@ -143,6 +150,15 @@ class Event:
     @property
     def meta(self) -> dict[str, Any]:
         return self.data.get("_meta") or {}
+
+    @property
+    def queued(self) -> QueuedPlace | None:
+        """This service's extension on `turn_start`: the turn waits for a worker slot, at
+        `position` (1: it takes the next one that frees). None: it was not queued."""
+        if self.event != "turn_start":
+            return None
+        place = self.meta.get("queued")
+        return place if isinstance(place, dict) else None
 
     @property
     def text(self) -> str:

@@ -219,9 +219,14 @@ def _apply_tenant(entry: dict) -> tuple[Tenant, bool]:
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
         raise AgentFileError("Every tenant entry must be an object with a 'name'.")
     name = entry["name"]
-    unknown = sorted(set(entry) - {"name", "title", "active", "limits"})
+    unknown = sorted(set(entry) - {"name", "title", "active", "weight", "limits"})
     if unknown:
-        raise AgentFileError(f"Tenant '{name}': unknown keys {', '.join(unknown)}; use name, title, active, limits.")
+        raise AgentFileError(
+            f"Tenant '{name}': unknown keys {', '.join(unknown)}; use name, title, active, weight, limits."
+        )
+    weight = entry.get("weight", 1)
+    if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= 1000:
+        raise AgentFileError(f"Tenant '{name}': 'weight' must be a whole number from 1 to 1000 (default 1).")
     limits = entry.get("limits") or {}
     if not isinstance(limits, dict):
         raise AgentFileError(f"Tenant '{name}': 'limits' must be an object.")
@@ -237,6 +242,8 @@ def _apply_tenant(entry: dict) -> tuple[Tenant, bool]:
         tenant.title = entry["title"] or ""
     if "active" in entry:
         tenant.is_active = bool(entry["active"])
+    if "weight" in entry:
+        tenant.weight = weight
     for key, value in limits.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise AgentFileError(

@@ -35,6 +35,11 @@ class TenantAdmin(admin.ModelAdmin):
             "description": "Empty: the service's default (AAP_TENANT_* settings). 0: no limit. "
             "Over a limit the API answers 429 with Retry-After; nothing is stored.",
         }),
+        ("Scheduling", {
+            "fields": ("weight",),
+            "description": "When every worker is busy, the next free one takes a waiting turn of the tenant "
+            "with the fewest running turns per unit of weight.",
+        }),
     ]
 
     def save_model(self, request, obj, form, change):

@@ -2,7 +2,7 @@ import logging
 import os
 
 from celery import Celery
-from celery.signals import celeryd_after_setup, worker_ready
+from celery.signals import celeryd_after_setup, worker_ready, worker_shutting_down
 
 from .process import freeze_startup_heap
 
@@ -14,12 +14,15 @@ app.autodiscover_tasks()
 
 #: This worker's node name ('' outside a worker): turns pinned to this process are routed to it.
 worker_node = ""
+#: How many turns this worker runs at once (its pool's size).
+worker_concurrency = 0
 
 
 @celeryd_after_setup.connect
-def _remember_node_name(sender, **kwargs):
-    global worker_node
+def _remember_node_name(sender, instance=None, **kwargs):
+    global worker_node, worker_concurrency
     worker_node = str(sender)
+    worker_concurrency = int(getattr(instance, "concurrency", 0) or app.conf.worker_concurrency or 1)
 
 
 @worker_ready.connect
@@ -36,3 +39,14 @@ def _load_runtimes(**kwargs):
         except Exception as exc:
             logging.getLogger(__name__).warning("runtime kind %s cannot be loaded: %s", kind, type(exc).__name__)
     freeze_startup_heap()
+    from sessions_app import liveness
+
+    # Ready for turns: the dispatcher now counts this worker's slots and fills them.
+    liveness.serve_as_worker(worker_node, worker_concurrency)
+
+
+@worker_shutting_down.connect
+def _stop_serving(**kwargs):
+    from sessions_app import liveness
+
+    liveness.stop_serving()

@@ -3,6 +3,7 @@
 import hashlib
 import secrets
 
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
@@ -38,6 +39,13 @@ class Tenant(models.Model):
     tokens_per_day = models.PositiveBigIntegerField(
         null=True, blank=True,
         help_text="LLM tokens (prompt + completion) per UTC day (empty: AAP_TENANT_TOKENS_PER_DAY; 0: no limit).",
+    )
+    # Fair scheduling (sessions_app.dispatch): free worker slots go to the tenant with the
+    # fewest running turns per unit of weight.
+    weight = models.PositiveSmallIntegerField(
+        default=1, db_default=1, validators=[MinValueValidator(1), MaxValueValidator(1000)],
+        help_text="Share of the workers when they are all busy: a tenant of weight 2 runs twice as many turns "
+        "at once as a tenant of weight 1 that waits too (1-1000).",
     )
 
     class Meta:

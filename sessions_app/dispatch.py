@@ -1,10 +1,21 @@
-"""Handing turns to workers, with the turn's row in PostgreSQL as the outbox.
+"""Handing turns to workers, fairly between tenants, with the turn's row in PostgreSQL as the
+outbox.
 
-A turn is committed `queued` first and put on the broker after. Whatever happens between
-(a crash of the web process, Redis down or restarted), the row stays `queued`, and a queued
-turn whose dispatch left no mark in Redis is dispatched again: by the periodic sweep, by a
-client following it, by the next request on its session. A second delivery is harmless:
-a worker claims a turn once (turn_store.claim_turn). Waiting in the queue is never failure.
+A turn is committed `queued` first. The broker only ever holds about as many turns as the
+workers have free slots (their heartbeats in PostgreSQL say how many turns each runs at
+once): the others wait in PostgreSQL, and whenever a slot frees (a turn ends, a worker
+starts or beats with a free thread, a turn is accepted with slots free) `dispatch_next`
+picks the next ones there, the tenant with the fewest turns in flight per unit of its
+weight first (turn_store.fair_order), and never more at once than the tenant's running-turns
+limit. So a tenant's single short turn waits for one slot to free, not behind another
+tenant's backlog, and a tenant whose limit is below the workers' slots leaves the rest free.
+
+A turn handed to the broker is marked `dispatched_at` in PostgreSQL, then on the broker, and
+marked in Redis. Whatever happens between (a crash of the web process, Redis down or
+restarted), the row stays `queued`, and a dispatched turn whose mark is gone from Redis is
+dispatched again: by the periodic sweep, by a client following it, by the next request on
+its session. A second delivery is harmless: a worker claims a turn once
+(turn_store.claim_turn). Waiting is never failure.
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ from functools import cache
 from celery import current_app
 from celery.utils.nodenames import worker_direct
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 
 from hosting.logs import log_context
@@ -47,7 +58,10 @@ def _run_embedded(turn_id: str) -> None:
     close_old_connections()
     try:
         with log_context(turn=turn_id):
-            execution.turn_execute(turn_id)
+            try:
+                execution.turn_execute(turn_id)
+            finally:
+                dispatch_next()  # this slot is free: the next waiting turn, chosen fairly
     finally:
         close_old_connections()
 
@@ -63,8 +77,25 @@ def enqueue_turn(turn_id: str, *, node: str | None = None) -> None:
         _embedded_pool().submit(_run_embedded, turn_id)
 
 
-def dispatch(turn_id: str, *, node: str | None = None) -> bool:
-    """Put a queued turn on the broker and mark it dispatched. False (logged) when the
+# The advisory lock that serializes choosing turns for free slots (one chooser at a time).
+_DISPATCH_LOCK = 0x4141_5044_4953_5000
+
+
+def worker_stale_seconds() -> float:
+    """A worker whose heartbeat is older than this no longer counts for capacity."""
+    return max(5.0, 2 * settings.AAP_TURN_LEASE_SECONDS)
+
+
+def capacity() -> int:
+    """How many turns the workers run at once: the threads of this process in the embedded
+    mode, else the concurrency of every worker alive according to its heartbeat."""
+    if not settings.REDIS_URL:
+        return settings.AAP_EMBEDDED_WORKERS
+    return turn_store.worker_slots(timezone.now() - timedelta(seconds=worker_stale_seconds()))
+
+
+def _send(turn_id: str, node: str | None = None) -> bool:
+    """Put a turn on the broker and mark it dispatched in Redis. False (logged) when the
     broker is unreachable: the turn stays queued and is dispatched again later."""
     backend = events.backend()
     try:
@@ -76,26 +107,99 @@ def dispatch(turn_id: str, *, node: str | None = None) -> bool:
     return True
 
 
+def dispatch(turn_id: str, *, node: str | None = None) -> bool:
+    """Hand a just-accepted turn over: one pinned to a worker (`node`) goes to it at once;
+    any other takes its place among the turns waiting for a free slot."""
+    if node is None:
+        return turn_id in dispatch_next()
+    try:
+        turn_store.mark_dispatched([turn_id])
+    except Exception as exc:
+        logger.warning("turn %s stays queued: PostgreSQL is unreachable (%s)", turn_id, type(exc).__name__)
+        return False
+    return _send(turn_id, node)
+
+
+def dispatch_next() -> list[str]:
+    """Fill the free worker slots with waiting turns chosen fairly; returns their ids. Never
+    raises: a turn not dispatched now stays queued and waits for the next chance."""
+    try:
+        chosen = choose_next()
+    except Exception as exc:
+        logger.warning("waiting turns could not be dispatched now (%s)", type(exc).__name__)
+        return []
+    return [turn_id for turn_id in chosen if _send(turn_id)]
+
+
+def choose_next() -> list[str]:
+    """Mark the waiting turns that take the free worker slots as dispatched; their ids."""
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_DISPATCH_LOCK])
+        in_flight, waiting = turn_store.slots_in_use()
+        free = capacity() - in_flight
+        if free <= 0 or not waiting:
+            return []
+        order = turn_store.fair_order(free, settings.AAP_TENANT_MAX_RUNNING_TURNS)
+        return turn_store.mark_dispatched([turn_id for turn_id, may_start in order if may_start])
+
+
+def queued_place(turn_id: str) -> dict | None:
+    """`{"position": n}` while the turn waits for a worker slot (n = 1: it takes the next one
+    that frees, or the next its tenant may take), None once it is dispatched, running or
+    over. Also right after the turn is stored, inside its transaction, for
+    `turn_start._meta.queued`."""
+    in_flight, waiting = turn_store.slots_in_use()
+    if not waiting:
+        return None
+    free = max(0, capacity() - in_flight)
+    order = turn_store.fair_order(waiting, settings.AAP_TENANT_MAX_RUNNING_TURNS)
+    index = next((i for i, (waiting_id, _) in enumerate(order) if waiting_id == turn_id), None)
+    if index is None:
+        return None
+    if not order[index][1]:
+        return {"position": max(1, index + 1 - free)}  # its tenant runs all it may: it waits for one of those
+    position = index + 1 - free
+    return {"position": position} if position > 0 else None
+
+
+def _grace_passed(since) -> bool:
+    return since is None or (timezone.now() - since).total_seconds() >= settings.AAP_TURN_DISPATCH_GRACE_SECONDS
+
+
 def redispatch_if_lost(turn_id: str, created_at) -> bool:
-    """Dispatch a queued turn again when its dispatch left no trace. True if it did."""
-    if (timezone.now() - created_at).total_seconds() < settings.AAP_TURN_DISPATCH_GRACE_SECONDS:
+    """A queued turn someone looks at: dispatch it again when its dispatch left no trace, or
+    give it a free slot if one is there. True if it was sent."""
+    if not _grace_passed(created_at):
         return False  # its web process may still be handing it over
+    try:
+        state = turn_store.waiting_since(turn_id)
+    except Exception:
+        return False
+    if state is None or state[0] != "queued":
+        return False
+    if state[1] is None:
+        return turn_id in dispatch_next()
+    if not _grace_passed(state[1]):
+        return False
     try:
         if events.backend().dispatched_sync(turn_id):
             return False
     except Exception:
         return False  # Redis is down: nothing can be dispatched now anyway
-    logger.warning("turn %s was queued without a dispatch; dispatching it again", turn_id)
-    return dispatch(turn_id)
+    logger.warning("turn %s was dispatched without a trace on the broker; dispatching it again", turn_id)
+    return _send(turn_id)
 
 
 def dispatch_pending() -> int:
-    """Dispatch every queued turn whose dispatch left no trace (run periodically)."""
+    """Dispatch again every dispatched turn whose mark is gone (its task may be lost), then
+    fill the free slots (run periodically)."""
     cutoff = timezone.now() - timedelta(seconds=settings.AAP_TURN_DISPATCH_GRACE_SECONDS)
     backend = events.backend()
     sent = 0
-    for turn_id in turn_store.queued_turns(cutoff):
+    for turn_id in turn_store.dispatched_turns(cutoff):
         if not backend.dispatched_sync(turn_id):
-            logger.warning("turn %s was queued without a dispatch; dispatching it again", turn_id)
-            sent += dispatch(turn_id)
-    return sent
+            logger.warning("turn %s was dispatched without a trace on the broker; dispatching it again", turn_id)
+            sent += _send(turn_id)
+    return sent + len(dispatch_next())

@@ -4,6 +4,10 @@ One thread per worker process updates every running turn's `heartbeat_at` in one
 every third of AAP_TURN_LEASE_SECONDS, and stores what the agent produced so far in the
 modes that publish only whole blocks (`message`, `none`), so a crash loses none of it. A
 turn is declared lost only when this heartbeat is stale and its Redis lease has lapsed too.
+
+A Celery worker process also beats for itself (`serve_as_worker`): its row says how many
+turns it runs at once, which is the capacity sessions_app.dispatch fills, and while it has a
+free thread each round offers it to the turns waiting in PostgreSQL.
 """
 
 from __future__ import annotations
@@ -23,20 +27,65 @@ _lock = threading.Lock()
 _running: dict[str, Callable[[], str | None] | None] = {}
 _last_partial: dict[str, str] = {}
 _thread: threading.Thread | None = None
+_worker: tuple[str, int] | None = None  # (node name, concurrency) in a Celery worker process
 
 
 def interval() -> float:
     return max(0.2, settings.AAP_TURN_LEASE_SECONDS / 3)
 
 
+def _ensure_thread() -> None:
+    global _thread
+    if _thread is None or not _thread.is_alive():
+        _thread = threading.Thread(target=_beat_forever, name="aap-heartbeat", daemon=True)
+        _thread.start()
+
+
 def track(turn_id: str, partial: Callable[[], str | None] | None = None) -> None:
     """Keep the turn's heartbeat while it runs; `partial()` gives its output so far (JSON)."""
-    global _thread
     with _lock:
         _running[turn_id] = partial
-        if _thread is None or not _thread.is_alive():
-            _thread = threading.Thread(target=_beat_forever, name="aap-heartbeat", daemon=True)
-            _thread.start()
+        _ensure_thread()
+
+
+def serve_as_worker(node: str, concurrency: int) -> None:
+    """This process runs up to `concurrency` turns at once: say so now and every round."""
+    global _worker
+    with _lock:
+        _worker = (node, concurrency)
+        _ensure_thread()
+    try:
+        _worker_round()
+    except Exception as exc:
+        logger.warning("the worker's heartbeat could not be written: %s", type(exc).__name__)
+    finally:
+        connection.close()
+
+
+def stop_serving() -> None:
+    """The worker is shutting down: its slots no longer count (running turns still beat)."""
+    global _worker
+    with _lock:
+        node, _worker = (_worker or (None, 0))[0], None
+    if node:
+        try:
+            turn_store.worker_gone(node)
+        except Exception:
+            pass  # its heartbeat goes stale instead
+        finally:
+            connection.close()
+
+
+def _worker_round() -> None:
+    from . import dispatch
+
+    with _lock:
+        worker, busy = _worker, len(_running)
+    if worker is None:
+        return
+    turn_store.worker_beat(*worker)
+    if busy < worker[1]:
+        dispatch.dispatch_next()
 
 
 def untrack(turn_id: str) -> None:
@@ -77,3 +126,9 @@ def _beat_forever() -> None:
             beat()
         except Exception as exc:  # PostgreSQL restarting: the next round tries again
             logger.warning("turn heartbeats could not be written: %s", type(exc).__name__)
+        try:
+            _worker_round()
+        except Exception as exc:
+            logger.warning("the worker's heartbeat could not be written: %s", type(exc).__name__)
+        finally:
+            connection.close()

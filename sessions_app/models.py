@@ -115,6 +115,9 @@ class Turn(models.Model):
     partial = models.TextField(blank=True)
     # Position of the first message the agent produced in full history (0: none stored yet).
     output_seq = models.BigIntegerField(default=0)
+    # When the turn was handed to the broker (sessions_app.dispatch); empty: it waits for a
+    # free worker slot in PostgreSQL, where the next one is chosen fairly between tenants.
+    dispatched_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         indexes = [models.Index(fields=["status", "created_at"], name="turn_status_created")]
@@ -140,3 +143,15 @@ class IdempotencyKey(models.Model):
 
     def __str__(self) -> str:
         return self.key
+
+
+class Worker(models.Model):
+    """A worker process that runs turns, and how many at once: the slots dispatch fills.
+    Its heartbeat (`seen_at`) is written by the process itself (sessions_app.liveness)."""
+
+    node = models.CharField(max_length=200, unique=True)
+    concurrency = models.PositiveIntegerField()
+    seen_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.node} ({self.concurrency})"

@@ -5,7 +5,9 @@ stream costs no thread. While a turn is quiet they ping the client and check tha
 is still alive, ending a lost one with `error` (recovery.turn_recover_if_lost). When the
 event source fails (Redis down) they keep pinging and retrying for AAP_STREAM_RETRY_SECONDS;
 then an SSE response closes without `turn_stop` (the client re-attaches), and a `none`
-response answers from PostgreSQL if the turn has ended there.
+response answers from PostgreSQL if the turn has ended there. While a turn waits for a
+worker slot, its SSE stream says so every LIVENESS_CHECK_SECONDS with a comment
+`: queued {"position": n}` instead of `: ping`, so a client tells waiting from thinking.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from hosting import metrics
 from hosting.authentication import token_is_active
 from hosting.handlers import on_web_threads
 
-from . import events
+from . import dispatch, events
 from .services import endings, recovery
 from .protocol import SSE_PING, dumps, event_data, fold, sse_frame
 
@@ -32,6 +34,7 @@ LIVENESS_CHECK_SECONDS = 5.0
 _recover = on_web_threads(recovery.turn_recover_if_lost)
 _stored_result = on_web_threads(endings.turn_result)
 _token_active = on_web_threads(token_is_active)
+_queued_place = on_web_threads(dispatch.queued_place)
 # Yielded by _follow when the stream's API token was revoked (or expired) meanwhile.
 REVOKED = object()
 REVOKED_SENTENCE = "The API token of this stream was revoked or expired; the turn goes on, re-attach with a valid token."
@@ -80,20 +83,40 @@ async def _follow(turn_id: str, after: int, token_id: int | None = None):
             await asyncio.sleep(min(1.0, quiet))
 
 
+async def _still_queued(turn_id: str) -> dict | None:
+    try:
+        return await _queued_place(turn_id)
+    except Exception:
+        return None  # the liveness check reports what is wrong; this stream just pings
+
+
+def queued_comment(place: dict) -> bytes:
+    return f": queued {dumps(place)}\n\n".encode()
+
+
 async def sse_stream(turn_id: str, after: int = 0, token_id: int | None = None):
     last_write = time.monotonic()
+    waiting = after <= 1  # until the turn shows it started (a worker took it)
     async for item in _follow(turn_id, after, token_id):
         if item is REVOKED:
             yield f": {REVOKED_SENTENCE}\n\n".encode()
             return
         now = time.monotonic()
         if item is events.QUIET:
+            if waiting:
+                place = await _still_queued(turn_id)
+                if place:
+                    last_write = now
+                    yield queued_comment(place)
+                    continue
+                waiting = False
             if now - last_write >= settings.AAP_SSE_PING_SECONDS - 0.5:
                 last_write = now
                 yield SSE_PING
             continue
         last_write = now
         seq, event = item
+        waiting = waiting and seq <= 1
         yield sse_frame(seq, event)
 
 

@@ -19,7 +19,7 @@ from django.utils import timezone
 from agents.models import Agent
 from hosting.models import Tenant
 
-from .models import Message, Session, Turn
+from .models import Message, Session, Turn, Worker
 from .protocol import dumps
 
 S = Session._meta.db_table
@@ -223,16 +223,6 @@ def heartbeat(turn_ids: list[str], partials: dict[str, str]) -> None:
             cursor.execute(f"UPDATE {T} SET partial = %s WHERE id = %s AND status = %s", [text, turn_id, Turn.RUNNING])
 
 
-def queued_turns(older_than: datetime, limit: int = 500) -> list[str]:
-    """Ids of turns still queued that were created before `older_than`, oldest first."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT id FROM {T} WHERE status = %s AND created_at < %s ORDER BY created_at LIMIT %s",
-            [Turn.QUEUED, connection.ops.adapt_datetimefield_value(older_than), limit],
-        )
-        return [row[0] for row in cursor.fetchall()]
-
-
 def turn_output(turn_id: str, session_pk: int, output_seq: int) -> list[dict]:
     """The messages a finished turn added to full history, in order."""
     if not output_seq:
@@ -298,3 +288,104 @@ def drop_compacted_before(session_pk: int, cutoff: int) -> None:
             f"DELETE FROM {M} WHERE session_id = %s AND kind = %s AND seq < %s",
             [session_pk, Message.COMPACTED, cutoff],
         )
+
+
+# --- scheduling (sessions_app.dispatch) -------------------------------------------------------
+
+W = Worker._meta.db_table
+_ACTIVE = f"t.status IN ('{Turn.QUEUED}', '{Turn.RUNNING}')"
+_WAITING = f"t.status = '{Turn.QUEUED}' AND t.dispatched_at IS NULL"
+# Running, or handed to the broker and about to run: what holds (or will hold) a worker slot.
+_IN_FLIGHT = f"{_ACTIVE} AND (t.status = '{Turn.RUNNING}' OR t.dispatched_at IS NOT NULL)"
+
+
+def slots_in_use() -> tuple[int, int]:
+    """(turns holding a worker slot, turns waiting for one)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT COALESCE(SUM(CASE WHEN t.status = %s OR t.dispatched_at IS NOT NULL THEN 1 ELSE 0 END), 0), "
+            f"COALESCE(SUM(CASE WHEN t.status = %s AND t.dispatched_at IS NULL THEN 1 ELSE 0 END), 0) "
+            f"FROM {T} t WHERE {_ACTIVE}",
+            [Turn.RUNNING, Turn.QUEUED],
+        )
+        in_flight, waiting = cursor.fetchone()
+    return int(in_flight), int(waiting)
+
+
+def fair_order(limit: int, default_max_running: int) -> list[tuple[str, bool]]:
+    """Waiting turns in the order free worker slots should take them, each with whether it
+    may take one now. A tenant's n-th waiting turn would make it run (its turns in flight + n)
+    at once: lowest of that per unit of the tenant's weight first, then oldest first (so a
+    tenant's own turns keep their order). A turn that would pass its tenant's running-turns
+    limit (`default_max_running` where the tenant sets none; 0: no limit) may not start yet:
+    those come last."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"WITH inflight AS (SELECT s.tenant_id AS tenant_id, COUNT(*) AS n FROM {T} t "
+            f"JOIN {S} s ON s.id = t.session_id WHERE {_IN_FLIGHT} GROUP BY s.tenant_id), "
+            f"waiting AS (SELECT t.id AS id, t.created_at AS created_at, s.tenant_id AS tenant_id, "
+            f"ROW_NUMBER() OVER (PARTITION BY s.tenant_id ORDER BY t.created_at, t.id) AS n "
+            f"FROM {T} t JOIN {S} s ON s.id = t.session_id WHERE {_WAITING}), "
+            f"ranked AS (SELECT w.id AS id, w.created_at AS created_at, "
+            f"(COALESCE(i.n, 0) + w.n) * 1.0 / tn.weight AS share, "
+            f"CASE WHEN COALESCE(tn.max_running_turns, %s) = 0 "
+            f"OR COALESCE(i.n, 0) + w.n <= COALESCE(tn.max_running_turns, %s) THEN 1 ELSE 0 END AS may_start "
+            f"FROM waiting w JOIN {TENANT} tn ON tn.id = w.tenant_id LEFT JOIN inflight i ON i.tenant_id = w.tenant_id) "
+            f"SELECT id, may_start FROM ranked ORDER BY may_start DESC, share, created_at, id LIMIT %s",
+            [default_max_running, default_max_running, limit],
+        )
+        return [(row[0], bool(row[1])) for row in cursor.fetchall()]
+
+
+def mark_dispatched(turn_ids: list[str]) -> list[str]:
+    """Record that these queued turns go to the broker now; returns those still queued."""
+    if not turn_ids:
+        return []
+    marks = ", ".join(["%s"] * len(turn_ids))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {T} SET dispatched_at = %s WHERE status = %s AND id IN ({marks}) RETURNING id",
+            [_now(), Turn.QUEUED, *turn_ids],
+        )
+        return [row[0] for row in cursor.fetchall()]
+
+
+def dispatched_turns(older_than: datetime, limit: int = 500) -> list[str]:
+    """Queued turns handed to the broker before `older_than` and not yet claimed, oldest first."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT id FROM {T} t WHERE t.status = %s AND t.dispatched_at IS NOT NULL AND t.dispatched_at < %s "
+            f"ORDER BY t.dispatched_at LIMIT %s",
+            [Turn.QUEUED, connection.ops.adapt_datetimefield_value(older_than), limit],
+        )
+        return [row[0] for row in cursor.fetchall()]
+
+
+def waiting_since(turn_id: str) -> tuple[str, datetime | None] | None:
+    """(status, dispatched_at) of a turn; None when it is gone."""
+    return Turn.objects.filter(id=turn_id).values_list("status", "dispatched_at").first()
+
+
+def worker_beat(node: str, concurrency: int) -> None:
+    """A worker process is alive and runs up to `concurrency` turns at once."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {W} (node, concurrency, seen_at) VALUES (%s, %s, %s) "
+            f"ON CONFLICT (node) DO UPDATE SET concurrency = EXCLUDED.concurrency, seen_at = EXCLUDED.seen_at",
+            [node, concurrency, _now()],
+        )
+
+
+def worker_gone(node: str) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(f"DELETE FROM {W} WHERE node = %s", [node])
+
+
+def worker_slots(seen_since: datetime) -> int:
+    """Turns the workers seen alive since `seen_since` can run at once."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT COALESCE(SUM(concurrency), 0) FROM {W} WHERE seen_at >= %s",
+            [connection.ops.adapt_datetimefield_value(seen_since)],
+        )
+        return int(cursor.fetchone()[0])

@@ -234,7 +234,7 @@ def test_a_tenant_added_in_admin_gets_a_first_token_shown_once(admin_client, db_
 
     name = f"t16-tenant-{uuid.uuid4().hex[:6]}"
     response = admin_client.post("/admin/hosting/tenant/add/", {
-        "name": name, "title": "From admin", "is_active": "on", "_save": "Save",
+        "name": name, "title": "From admin", "is_active": "on", "weight": "1", "_save": "Save",
         "tokens-TOTAL_FORMS": "0", "tokens-INITIAL_FORMS": "0", "tokens-MIN_NUM_FORMS": "0", "tokens-MAX_NUM_FORMS": "1000",
     }, follow=True)
     assert response.status_code == 200, form_errors(response)

@@ -92,7 +92,11 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
         # `turn_start` (event 1) before the commit: a client sees its turn begin at once, and
         # with Redis unreachable this raises, the transaction rolls back and nothing is stored.
-        events.backend().publish_sync(turn.id, 1, {"event": "turn_start", "_meta": {"turnId": turn.id}})
+        start_meta = {"turnId": turn.id}
+        queued = None if node else dispatch.queued_place(turn.id)  # every worker slot is taken
+        if queued:
+            start_meta["queued"] = queued
+        events.backend().publish_sync(turn.id, 1, {"event": "turn_start", "_meta": start_meta})
         transaction.on_commit(lambda: dispatch.dispatch(turn.id, node=node))
     metrics.turn_started(agent=agent.name, tenant=tenant.name, stream=mode)
     return turn
