@@ -107,9 +107,30 @@ def _send(turn_id: str, node: str | None = None) -> bool:
     return True
 
 
-def dispatch(turn_id: str, *, node: str | None = None) -> bool:
-    """Hand a just-accepted turn over: one pinned to a worker (`node`) goes to it at once;
-    any other takes its place among the turns waiting for a free slot."""
+def has_free_slot(turn_id: str, tenant) -> bool:
+    """Inside turn_start's transaction, before the turn is stored: a worker slot is free, no
+    other turn waits for one and the tenant runs fewer turns than its limit. The fair order
+    could only choose this turn then, so it is stored already dispatched (committed with it)
+    and `dispatch(..., slot_taken=True)` sends it: one statement instead of the chooser's
+    transaction (lock, counts, order, mark) for every turn below saturation. Without the
+    chooser's lock two turns accepted at the same instant may both take the last free slot:
+    the later waits on the broker for the next thread, and the fair order holds from the next
+    slot on."""
+    since = timezone.now() - timedelta(seconds=worker_stale_seconds())
+    in_flight, waiting, tenant_in_flight, slots = turn_store.room_for(turn_id, tenant.pk, since)
+    free = (slots if settings.REDIS_URL else settings.AAP_EMBEDDED_WORKERS) - in_flight
+    limit = getattr(tenant, "max_running_turns", None)
+    if limit is None:
+        limit = settings.AAP_TENANT_MAX_RUNNING_TURNS
+    return not waiting and free > 0 and not (limit and tenant_in_flight >= limit)
+
+
+def dispatch(turn_id: str, *, node: str | None = None, slot_taken: bool = False) -> bool:
+    """Hand a just-accepted turn over: one pinned to a worker (`node`) goes to it at once,
+    as does one stored with a free slot (`has_free_slot`); any other
+    takes its place among the turns waiting for a free slot."""
+    if slot_taken:
+        return _send(turn_id)
     if node is None:
         return turn_id in dispatch_next()
     try:
@@ -133,6 +154,8 @@ def dispatch_next() -> list[str]:
 
 def choose_next() -> list[str]:
     """Mark the waiting turns that take the free worker slots as dispatched; their ids."""
+    if not turn_store.any_waiting():
+        return []
     with transaction.atomic():
         if connection.vendor == "postgresql":
             with connection.cursor() as cursor:

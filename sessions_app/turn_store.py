@@ -161,13 +161,16 @@ def close_turn_on_session(session_pk: int, *, added: int, pending_calls: list, p
 # --- turns ------------------------------------------------------------------------------------
 
 
-def insert_turn(turn_id: str, session_pk: int, stream: str, permissions: list) -> None:
+def insert_turn(turn_id: str, session_pk: int, stream: str, permissions: list, *, dispatched: bool = False) -> None:
+    """A new queued turn; `dispatched`: it takes a free worker slot at once (dispatched_at set)."""
+    now = _now()
     with connection.cursor() as cursor:
         cursor.execute(
             f"INSERT INTO {T} (id, session_id, status, stream, stop_reason, cancelled, permissions, error, "
-            f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq) "
-            f"VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0)",
-            [turn_id, session_pk, Turn.QUEUED, stream, False, _json_param(Turn, "permissions", permissions), _now()],
+            f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq, dispatched_at) "
+            f"VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0, %s)",
+            [turn_id, session_pk, Turn.QUEUED, stream, False, _json_param(Turn, "permissions", permissions), now,
+             now if dispatched else None],
         )
 
 
@@ -297,6 +300,32 @@ _ACTIVE = f"t.status IN ('{Turn.QUEUED}', '{Turn.RUNNING}')"
 _WAITING = f"t.status = '{Turn.QUEUED}' AND t.dispatched_at IS NULL"
 # Running, or handed to the broker and about to run: what holds (or will hold) a worker slot.
 _IN_FLIGHT = f"{_ACTIVE} AND (t.status = '{Turn.RUNNING}' OR t.dispatched_at IS NOT NULL)"
+
+
+def any_waiting() -> bool:
+    """Some turn waits for a worker slot (one indexed read: the chooser's work is skipped
+    when nothing waits, which is every turn's end below saturation)."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT 1 FROM {T} t WHERE {_WAITING} LIMIT 1")
+        return cursor.fetchone() is not None
+
+
+def room_for(turn_id: str, tenant_id: int, workers_seen_since: datetime) -> tuple[int, int, int, int]:
+    """(in flight, waiting, this tenant's in flight, worker slots) in one statement; turn
+    `turn_id` (about to be stored) is left out of the waiting ones."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT COALESCE(SUM(CASE WHEN t.status = %s OR t.dispatched_at IS NOT NULL THEN 1 ELSE 0 END), 0), "
+            f"COALESCE(SUM(CASE WHEN t.status = %s AND t.dispatched_at IS NULL AND t.id <> %s THEN 1 ELSE 0 END), 0), "
+            f"COALESCE(SUM(CASE WHEN (t.status = %s OR t.dispatched_at IS NOT NULL) AND s.tenant_id = %s "
+            f"THEN 1 ELSE 0 END), 0), "
+            f"(SELECT COALESCE(SUM(concurrency), 0) FROM {W} WHERE seen_at >= %s) "
+            f"FROM {T} t JOIN {S} s ON s.id = t.session_id WHERE {_ACTIVE}",
+            [Turn.RUNNING, Turn.QUEUED, turn_id, Turn.RUNNING, tenant_id,
+             connection.ops.adapt_datetimefield_value(workers_seen_since)],
+        )
+        row = cursor.fetchone()
+    return tuple(int(value or 0) for value in row)  # type: ignore[return-value]
 
 
 def slots_in_use() -> tuple[int, int]:

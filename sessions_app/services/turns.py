@@ -81,23 +81,24 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         tool_messages, permissions = answers_for_pending(session.pending_calls, messages)
         admission.admit_turn(tenant=tenant)  # 429 at a tenant limit; nothing is stored then
         turn = Turn(id=new_turn_id(), session_id=session.pk, stream=mode, permissions=permissions)
-        turn_store.insert_turn(turn.id, session.pk, mode, permissions)
+        # Permission answers go to the worker holding the prompt that waits on them (ACP).
+        node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
+        slot_taken = node is None and dispatch.has_free_slot(turn.id, tenant)
+        turn_store.insert_turn(turn.id, session.pk, mode, permissions, dispatched=slot_taken)
         incoming = tool_messages if session.pending_calls else messages
         turn_store.insert_messages(session.pk, session.message_seq + 1, incoming, turn_id=turn.id)
         turn_store.update_session(
             session.pk, pending_calls=[], active_turn=turn.id, message_seq=session.message_seq + len(incoming), **changes
         )
         idempotency_keys.remember(tenant, idempotency, session.public_id, turn.id)
-        # Permission answers go to the worker holding the prompt that waits on them (ACP).
-        node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
         # `turn_start` (event 1) before the commit: a client sees its turn begin at once, and
         # with Redis unreachable this raises, the transaction rolls back and nothing is stored.
         start_meta = {"turnId": turn.id}
-        queued = None if node else dispatch.queued_place(turn.id)  # every worker slot is taken
+        queued = None if node or slot_taken else dispatch.queued_place(turn.id)  # every worker slot is taken
         if queued:
             start_meta["queued"] = queued
         events.backend().publish_sync(turn.id, 1, {"event": "turn_start", "_meta": start_meta})
-        transaction.on_commit(lambda: dispatch.dispatch(turn.id, node=node))
+        transaction.on_commit(lambda: dispatch.dispatch(turn.id, node=node, slot_taken=slot_taken))
     metrics.turn_started(agent=agent.name, tenant=tenant.name, stream=mode)
     return turn
 
