@@ -1,7 +1,6 @@
 """`Authorization: Bearer <token>` authentication for the AAP API."""
 
-from datetime import timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, timedelta
 
 from django.conf import settings
 from django.core import signing
@@ -58,7 +57,7 @@ def _active_token(where: str, value) -> ApiToken | None:
         return None
     token_id, tenant_id, last_used, name, title, *limits = row
     if last_used is not None and timezone.is_naive(last_used):
-        last_used = timezone.make_aware(last_used, dt_timezone.utc)  # SQLite stores UTC, naive
+        last_used = timezone.make_aware(last_used, UTC)  # SQLite stores UTC, naive
     # Instances of the columns read; any other field loads on access (deferred).
     token = ApiToken.from_db("default", ["id", "tenant_id", "last_used_at"], [token_id, tenant_id, last_used])
     token.tenant = Tenant.from_db("default", ["id", "name", "title", *LIMIT_FIELDS], [tenant_id, name, title, *limits])

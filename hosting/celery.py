@@ -4,6 +4,7 @@ import os
 from celery import Celery
 from celery.signals import celeryd_after_setup, worker_ready
 
+from . import process
 from .process import freeze_startup_heap
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hosting.settings")
@@ -12,14 +13,9 @@ app = Celery("hosting")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
-#: This worker's node name ('' outside a worker): turns pinned to this process are routed to it.
-worker_node = ""
-
-
 @celeryd_after_setup.connect
 def _remember_node_name(sender, **kwargs):
-    global worker_node
-    worker_node = str(sender)
+    process.worker_node = str(sender)
 
 
 @worker_ready.connect

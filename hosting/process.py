@@ -2,6 +2,9 @@
 
 import gc
 
+#: This worker's Celery node name ('' outside a worker): turns pinned to this process are routed to it.
+worker_node = ""
+
 
 def freeze_startup_heap() -> None:
     """Move everything start-up built (Django, Celery, the runtimes: most of the heap) out of

@@ -7,12 +7,10 @@ accepted JSON is stored exactly as sent (history is byte-for-byte what was accep
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
 import jsonschema
-from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.drainage import set_override
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers

@@ -13,8 +13,7 @@ from django.db import InterfaceError, OperationalError, connection, transaction
 from agents.models import Agent
 from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
 from agents.selectors import agent_definition, server_tool_specs
-from hosting.errors import describe_failure
-from hosting.logs import bind_log_context
+from hosting.logs import bind_log_context, describe_failure
 
 from .. import events, host, liveness, turn_store
 from ..models import Message, Session, Turn

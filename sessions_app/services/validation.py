@@ -6,7 +6,7 @@ from __future__ import annotations
 from agents.models import Agent, AgentOption
 from agents.selectors import server_tool_specs
 from hosting import crypto
-from hosting.errors import BadRequest
+from hosting.service_errors import BadRequest
 
 from ..protocol import content_images, image_kind
 
