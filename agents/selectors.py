@@ -1,7 +1,7 @@
 """Reads of the agent registry, in the shapes AAP uses."""
 
 import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from django.db.models import Prefetch
 
@@ -86,7 +86,7 @@ def agent_definition(agent_id: int, revision) -> Agent:
 def _revision_key(value):
     """updated_at as naive UTC: raw SQL reads it aware (PostgreSQL) or naive (SQLite)."""
     if isinstance(value, datetime) and value.tzinfo is not None:
-        return value.astimezone(timezone.utc).replace(tzinfo=None)
+        return value.astimezone(UTC).replace(tzinfo=None)
     if isinstance(value, str):
         return datetime.fromisoformat(value).replace(tzinfo=None)
     return value

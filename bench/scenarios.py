@@ -82,8 +82,9 @@ class Bench:
 
     def pg_room(self) -> int:
         """Connections the bench database may use in all without starving others."""
-        import psycopg
         from urllib.parse import urlsplit
+
+        import psycopg
 
         name = urlsplit(self.stack.database_url).path.lstrip("/")
         try:
@@ -417,7 +418,7 @@ class Bench:
         async def creator():
             while not queue.empty():
                 queue.get_nowait()
-                for attempt in range(3):
+                for _attempt in range(3):
                     try:
                         sessions.append(await self.api.create_session())
                         break

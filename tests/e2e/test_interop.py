@@ -17,7 +17,7 @@ from tests.fakes.openai_server import FakeOpenAI
 from tests.support import AAP, Stack, fold_events, free_port, parse_sse
 
 from .test_llm_agent import OPERATOR_KEY, llm_agent
-from .turns import assert_sse_shape, text_reply, user, wait_until
+from .turns import assert_sse_shape, text_reply, user
 
 # What @agentapplicationprotocol/client sends: JSON bodies, `Accept: text/event-stream` on
 # streamed turns, and `Bearer ${apiKey}` even when the key is empty.
