@@ -11,6 +11,9 @@ Tool helpers: a `ToolRegistry` answers client tools with Python functions, and
 `converse()` runs turns until the agent stops asking for tools (client tools from the
 registry, permissions for server tools from a callback). This service's extensions are typed:
 `turn_id`, `events_ticket`, `usage`, re-attach with `Last-Event-ID`, cancel, idempotency keys.
+
+Longer than ~400 lines on purpose: the sync and async clients mirror each other method for
+method, and side by side they stay in step.
 """
 
 from __future__ import annotations

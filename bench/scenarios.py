@@ -1,4 +1,7 @@
-"""The seven scenarios of the bench (see docs/performance.md for what each one measures)."""
+"""The seven scenarios of the bench (see docs/performance.md for what each one measures).
+
+Longer than ~400 lines on purpose: one function per scenario, read side by side with
+docs/performance.md; what they share lives in bench/load.py and bench/stack.py."""
 
 from __future__ import annotations
 
