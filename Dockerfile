@@ -30,12 +30,10 @@ RUN if [ "$ACP" = "1" ]; then \
         && if [ -n "$NPM_PACKAGES" ]; then npm install --global $NPM_PACKAGES && npm cache clean --force; fi; \
     fi
 
-# Dependencies first, from pyproject.toml alone, so code changes do not reinstall them.
-COPY pyproject.toml ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
-        > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt \
-    && rm /tmp/requirements.txt
+# Dependencies first, from the lock file alone (exact versions and hashes, `make lock`
+# writes it from pyproject.toml), so code changes do not reinstall them.
+COPY requirements.lock ./
+RUN pip install --require-hashes -r requirements.lock
 
 # The project itself (non-editable install; .dockerignore keeps .venv, var, .git out).
 COPY . .

@@ -2,6 +2,9 @@
 #
 #   make run                 migrate, seed the demo tenant when absent, serve on 127.0.0.1:8000
 #   make test [ARGS=...]     the suite against PostgreSQL + Redis (throwaway servers when none answer)
+#   make test-fast           the unit and API tiers only (in process, no servers of its own): seconds
+#   make lint                ruff (lint + format check), mypy, the import layers
+#   make lock                rewrite requirements.lock / requirements-test.lock from pyproject.toml
 #   make install             the service's runtime dependencies only (make install-test: + test extras)
 #   make bench [FULL=1]      the benchmark
 #   make chaos [ARGS=...]    the fault-injection suite (its own PostgreSQL, Redis, Daphne, workers)
@@ -22,7 +25,7 @@ FULL        ?=
 CELERY_CONCURRENCY ?= 16
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install install-test run test chaos bench migrate seed worker clean
+.PHONY: help venv install install-test run test test-fast lint lock chaos bench migrate seed worker clean
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -51,6 +54,22 @@ run: $(STAMP)
 
 test: $(TEST_STAMP)
 	scripts/test.sh $(PYTEST_ARGS)
+
+# tests/unit (no I/O) and tests/api (the Django stack in process, on PostgreSQL).
+test-fast: $(TEST_STAMP)
+	scripts/test.sh tests/unit tests/api $(PYTEST_ARGS)
+
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+# Exact versions with hashes: requirements.lock is what the Docker image installs.
+LOCK_FLAGS := --quiet --strip-extras --generate-hashes --allow-unsafe --no-emit-index-url --no-emit-find-links
+lock: $(TEST_STAMP)
+	$(BIN)/pip-compile $(LOCK_FLAGS) -o requirements.lock pyproject.toml
+	$(BIN)/pip-compile $(LOCK_FLAGS) --extra test -o requirements-test.lock pyproject.toml
 
 # Faults (tests/chaos): the suite starts and kills its own servers, so it needs no
 # DATABASE_URL / REDIS_URL and runs without pytest-django's test database.

@@ -9,6 +9,18 @@ from .sse import SSEParser
 from .types import EVENT_NAMES, HISTORY_TYPES, PROTOCOL_VERSION, STOP_REASONS, STREAM_MODES, Event
 
 __all__ = [
-    "AAPError", "AsyncClient", "Client", "Event", "EVENT_NAMES", "HISTORY_TYPES", "PROTOCOL_VERSION",
-    "SSEParser", "STOP_REASONS", "STREAM_MODES", "ToolRegistry", "TurnResult", "TurnStream", "fold",
+    "AAPError",
+    "AsyncClient",
+    "Client",
+    "Event",
+    "EVENT_NAMES",
+    "HISTORY_TYPES",
+    "PROTOCOL_VERSION",
+    "SSEParser",
+    "STOP_REASONS",
+    "STREAM_MODES",
+    "ToolRegistry",
+    "TurnResult",
+    "TurnStream",
+    "fold",
 ]

@@ -1,10 +1,10 @@
 """`aap`: talk to any AAP server from a terminal.
 
-    export AAP_URL=http://127.0.0.1:8000/v1 AAP_TOKEN=aap_...
-    aap meta                        # the agents this token may use
-    aap chat --agent echo           # a conversation, streamed; asks y/n for tool permissions
-    aap sessions                    # this tenant's sessions, newest first
-    aap history SESSION_ID          # a session's full history
+export AAP_URL=http://127.0.0.1:8000/v1 AAP_TOKEN=aap_...
+aap meta                        # the agents this token may use
+aap chat --agent echo           # a conversation, streamed; asks y/n for tool permissions
+aap sessions                    # this tenant's sessions, newest first
+aap history SESSION_ID          # a session's full history
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 import httpx
 
-from .client import AAPError, Client
+from .client import AAPError, Client, TurnResult
 from .types import Event
 
 DIM, RESET = "\033[2m", "\033[0m"
@@ -67,7 +67,7 @@ class Printer:
         self.out.flush()
 
 
-def result_events(result) -> list[Event]:
+def result_events(result: TurnResult) -> list[Event]:
     """A JSON turn's messages as the message-mode events that stand for them."""
     events = []
     for message in result.messages:
@@ -83,7 +83,7 @@ def result_events(result) -> list[Event]:
     return events + [Event("turn_stop", {"stopReason": result.stop_reason, "_meta": result.meta})]
 
 
-def _short(content) -> str:
+def _short(content: Any) -> str:
     text = content if isinstance(content, str) else json.dumps(content)
     return text if len(text) <= 200 else text[:200] + "…"
 
@@ -95,7 +95,7 @@ def _ask(prompt: str, out: TextIO) -> str | None:
     return None if line == "" else line.rstrip("\n")
 
 
-def _options(pairs: list[str]) -> dict:
+def _options(pairs: list[str]) -> dict[str, Any]:
     options = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
@@ -105,7 +105,7 @@ def _options(pairs: list[str]) -> dict:
     return options
 
 
-def cmd_meta(client: Client, args, out: TextIO) -> int:
+def cmd_meta(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     for agent in client.meta()["agents"]:
         title = f" — {agent['title']}" if agent.get("title") else ""
         out.write(f"{agent['name']} {agent['version']}{title}\n")
@@ -117,7 +117,7 @@ def cmd_meta(client: Client, args, out: TextIO) -> int:
     return 0
 
 
-def cmd_sessions(client: Client, args, out: TextIO) -> int:
+def cmd_sessions(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     for index, session in enumerate(client.sessions()):
         if args.limit and index >= args.limit:
             break
@@ -125,13 +125,13 @@ def cmd_sessions(client: Client, args, out: TextIO) -> int:
     return 0
 
 
-def cmd_history(client: Client, args, out: TextIO) -> int:
+def cmd_history(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     for message in client.history(args.session, args.type):
         out.write(json.dumps(message, ensure_ascii=False) + "\n")
     return 0
 
 
-def cmd_chat(client: Client, args, out: TextIO) -> int:
+def cmd_chat(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     server_tools = [{"name": name, "trust": False} for name in args.tool] + [
         {"name": name, "trust": True} for name in args.trust
     ]
@@ -141,7 +141,7 @@ def cmd_chat(client: Client, args, out: TextIO) -> int:
     out.write(f"session {session} (empty line or Ctrl-D to leave)\n")
     printer = Printer(out, color=out.isatty() and not args.no_color)
 
-    def permit(call: dict):
+    def permit(call: dict[str, Any]) -> bool:
         if args.yes:
             return True
         answer = _ask(f"Allow {call['name']}({json.dumps(call['input'])})? [y/N] ", out)
@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
     chat.add_argument("--agent", default="echo")
     chat.add_argument("--session", help="continue this session instead of creating one")
     chat.add_argument("--option", action="append", default=[], metavar="NAME=VALUE")
-    chat.add_argument("--tool", action="append", default=[], metavar="NAME", help="enable a server tool (asks permission)")
+    chat.add_argument(
+        "--tool", action="append", default=[], metavar="NAME", help="enable a server tool (asks permission)"
+    )
     chat.add_argument("--trust", action="append", default=[], metavar="NAME", help="enable a trusted server tool")
     chat.add_argument("--stream", choices=["delta", "message", "none"], default="delta")
     chat.add_argument("-m", "--message", help="send one message and exit")

@@ -11,6 +11,9 @@ Tool helpers: a `ToolRegistry` answers client tools with Python functions, and
 `converse()` runs turns until the agent stops asking for tools (client tools from the
 registry, permissions for server tools from a callback). This service's extensions are typed:
 `turn_id`, `events_ticket`, `usage`, `queued`, re-attach with `Last-Event-ID`, cancel, idempotency keys.
+
+Longer than ~400 lines on purpose: the sync and async clients mirror each other method for
+method, and side by side they stay in step.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -51,7 +54,9 @@ def _error(response: httpx.Response, body: bytes) -> AAPError:
         message, details = body.decode("utf-8", "replace")[:500] or response.reason_phrase, None
     retry = response.headers.get("Retry-After")
     return AAPError(
-        response.status_code, message, details=details,
+        response.status_code,
+        message,
+        details=details,
         retry_after=float(retry) if retry and retry.replace(".", "", 1).isdigit() else None,
     )
 
@@ -65,14 +70,14 @@ class TurnResult:
     service adds (`turn_id`, `usage`, `meta` of the stop)."""
 
     stop_reason: str
-    messages: list[dict]
+    messages: list[dict[str, Any]]
     turn_id: str | None = None
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     events_ticket: str | None = None
 
     @property
-    def usage(self) -> dict | None:
+    def usage(self) -> dict[str, Any] | None:
         return self.meta.get("usage")
 
     @property
@@ -83,11 +88,14 @@ class TurnResult:
     def text(self) -> str:
         """The assistant's text across the turn's messages."""
         return "".join(
-            block.get("text", "") for m in self.messages if m["role"] == "assistant" and isinstance(m["content"], list)
-            for block in m["content"] if block.get("type") == "text"
+            block.get("text", "")
+            for m in self.messages
+            if m["role"] == "assistant" and isinstance(m["content"], list)
+            for block in m["content"]
+            if block.get("type") == "text"
         )
 
-    def pending_tool_calls(self) -> list[dict]:
+    def pending_tool_calls(self) -> list[dict[str, Any]]:
         """The turn's `tool_use` blocks that have no `tool` message yet (the application's to answer)."""
         answered = {m["toolCallId"] for m in self.messages if m["role"] == "tool"}
         return [b for m in self.messages for b in tool_uses(m) if b["toolCallId"] not in answered]
@@ -97,7 +105,10 @@ def _json_result(response: httpx.Response, body: bytes) -> TurnResult:
     payload = json.loads(body)
     meta = payload.get("_meta") or {}
     return TurnResult(
-        payload["stopReason"], payload["messages"], response.headers.get("AAP-Turn-Id") or meta.get("turnId"), meta,
+        payload["stopReason"],
+        payload["messages"],
+        response.headers.get("AAP-Turn-Id") or meta.get("turnId"),
+        meta,
         events_ticket=response.headers.get("AAP-Events-Ticket"),
     )
 
@@ -138,8 +149,12 @@ class _StreamBase:
             raise AAPError(0, "The stream ended before turn_stop; re-attach with last_event_id to read the rest.")
         start = next((e for e in self.events if e.event == "turn_start"), None)
         return TurnResult(
-            stop.data["stopReason"], fold(e.as_dict() for e in self.events), self.turn_id
-            or (start.meta.get("turnId") if start else None), stop.meta, list(self.events), self.events_ticket,
+            stop.data["stopReason"],
+            fold(e.as_dict() for e in self.events),
+            self.turn_id or (start.meta.get("turnId") if start else None),
+            stop.meta,
+            list(self.events),
+            self.events_ticket,
         )
 
 
@@ -169,7 +184,7 @@ class TurnStream(_StreamBase):
     def __enter__(self) -> TurnStream:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -200,14 +215,14 @@ class AsyncTurnStream(_StreamBase):
     async def __aenter__(self) -> AsyncTurnStream:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
 
 # --- tools ------------------------------------------------------------------------------------
 
 
-Permit = Callable[[dict], "bool | tuple[bool, str | None]"]
+Permit = Callable[[dict[str, Any]], "bool | tuple[bool, str | None]"]
 
 
 class ToolRegistry:
@@ -216,27 +231,37 @@ class ToolRegistry:
     JSON value (sent as JSON text); an exception becomes an error text for the agent."""
 
     def __init__(self) -> None:
-        self._tools: dict[str, tuple[dict, Callable[[dict], Any]]] = {}
+        self._tools: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any]], Any]]] = {}
 
-    def tool(self, description: str, parameters: dict | None = None, *, name: str | None = None, title: str | None = None):
-        def register(fn: Callable[[dict], Any]) -> Callable[[dict], Any]:
-            spec = {"name": name or fn.__name__, "description": description,
-                    "parameters": parameters or {"type": "object", "properties": {}}}
+    def tool(
+        self,
+        description: str,
+        parameters: dict[str, Any] | None = None,
+        *,
+        name: str | None = None,
+        title: str | None = None,
+    ) -> Callable[[Callable[[dict[str, Any]], Any]], Callable[[dict[str, Any]], Any]]:
+        def register(fn: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+            spec: dict[str, Any] = {
+                "name": name or fn.__name__,
+                "description": description,
+                "parameters": parameters or {"type": "object", "properties": {}},
+            }
             if title:
                 spec["title"] = title
-            self._tools[spec["name"]] = (spec, fn)
+            self._tools[str(spec["name"])] = (spec, fn)
             return fn
 
         return register
 
-    def specs(self) -> list[dict]:
+    def specs(self) -> list[dict[str, Any]]:
         """The ToolSpecs to send as the session's or turn's `tools`."""
         return [spec for spec, _ in self._tools.values()]
 
     def __contains__(self, name: str) -> bool:
         return name in self._tools
 
-    def call(self, call: dict) -> Any:
+    def call(self, call: dict[str, Any]) -> Any:
         """The `tool` message answering one call (awaitable when the function is async)."""
         _, fn = self._tools[call["name"]]
         try:
@@ -248,20 +273,20 @@ class ToolRegistry:
         return _tool_message(call, value)
 
 
-async def _awaited_tool_message(call: dict, value) -> dict:
+async def _awaited_tool_message(call: dict[str, Any], value: Any) -> dict[str, Any]:
     try:
         return _tool_message(call, await value)
     except Exception as exc:
         return _tool_message(call, f"Error: {type(exc).__name__}: {exc}")
 
 
-def _tool_message(call: dict, value: Any) -> dict:
+def _tool_message(call: dict[str, Any], value: Any) -> dict[str, Any]:
     is_blocks = isinstance(value, list) and all(isinstance(b, dict) and "type" in b for b in value)
     content = value if isinstance(value, str) or is_blocks else json.dumps(value, ensure_ascii=False)
     return {"role": "tool", "toolCallId": call["toolCallId"], "content": content}
 
 
-def _permission(call: dict, answer) -> dict:
+def _permission(call: dict[str, Any], answer: Any) -> dict[str, Any]:
     granted, reason = answer if isinstance(answer, tuple) else (bool(answer), None)
     message = {"role": "tool_permission", "toolCallId": call["toolCallId"], "granted": bool(granted)}
     if reason:
@@ -269,20 +294,26 @@ def _permission(call: dict, answer) -> dict:
     return message
 
 
-def _no_client_tool(call: dict) -> dict:
+def _no_client_tool(call: dict[str, Any]) -> dict[str, Any]:
     return _tool_message(call, f"Error: the application has no tool named {call['name']!r}.")
 
 
 # --- request building, shared by both clients ---------------------------------------------------
 
 
-def _messages(message: str | dict | list) -> list[dict]:
+def _messages(message: str | dict[str, Any] | list[Any]) -> list[dict[str, Any]]:
     if isinstance(message, str):
         return [{"role": "user", "content": message}]
     return [message] if isinstance(message, dict) else list(message)
 
 
-def _turn_body(message, stream: str, options, server_tools, tools) -> dict:
+def _turn_body(
+    message: str | dict[str, Any] | list[Any],
+    stream: str,
+    options: dict[str, Any] | None,
+    server_tools: list[Any] | None,
+    tools: list[Any] | None,
+) -> dict[str, Any]:
     body: dict[str, Any] = {"messages": _messages(message)}
     if stream != "none":
         body["stream"] = stream
@@ -298,7 +329,13 @@ def _turn_body(message, stream: str, options, server_tools, tools) -> dict:
     return body
 
 
-def _session_body(agent: str, options, server_tools, tools, messages) -> dict:
+def _session_body(
+    agent: str,
+    options: dict[str, Any] | None,
+    server_tools: list[Any] | None,
+    tools: list[Any] | None,
+    messages: list[Any] | None,
+) -> dict[str, Any]:
     config: dict[str, Any] = {"name": agent}
     if options:
         config["options"] = options
@@ -312,7 +349,7 @@ def _session_body(agent: str, options, server_tools, tools, messages) -> dict:
     return body
 
 
-def _idempotency(key: str | None) -> dict:
+def _idempotency(key: str | None) -> dict[str, Any]:
     return {"Idempotency-Key": key} if key else {}
 
 
@@ -323,7 +360,7 @@ def _base_url(base_url: str | None) -> str:
     return url
 
 
-def _headers(token: str | None) -> dict:
+def _headers(token: str | None) -> dict[str, Any]:
     token = token if token is not None else os.environ.get("AAP_TOKEN", "")
     headers = {"Accept": "application/json, text/event-stream"}
     if token:
@@ -331,16 +368,18 @@ def _headers(token: str | None) -> dict:
     return headers
 
 
-def _check_meta(meta: dict) -> dict:
+def _check_meta(meta: dict[str, Any]) -> dict[str, Any]:
     if meta.get("version") != PROTOCOL_VERSION:
-        raise AAPError(0, f"The server speaks AAP version {meta.get('version')!r}; this client speaks {PROTOCOL_VERSION}.")
+        raise AAPError(
+            0, f"The server speaks AAP version {meta.get('version')!r}; this client speaks {PROTOCOL_VERSION}."
+        )
     return meta
 
 
-def _answers(result: TurnResult, registry: ToolRegistry | None, permit: Permit | None) -> list:
+def _answers(result: TurnResult, registry: ToolRegistry | None, permit: Permit | None) -> list[Any]:
     """The next turn's messages for a `tool_use` stop: client tools from the registry,
     permissions from `permit` (deny when there is none)."""
-    out: list = []
+    out: list[Any] = []
     for call in result.pending_tool_calls():
         if registry is not None and call["name"] in registry:
             out.append(registry.call(call))
@@ -358,8 +397,14 @@ class Client:
     """A synchronous AAP client. `base_url` ends in `/v1` (default: `AAP_URL`); `token` is an
     API token (default: `AAP_TOKEN`; empty or None: anonymous, for a public `/meta`)."""
 
-    def __init__(self, base_url: str | None = None, token: str | None = None, *,
-                 timeout: httpx.Timeout | float = DEFAULT_TIMEOUT, http: httpx.Client | None = None):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        http: httpx.Client | None = None,
+    ):
         self.base_url = _base_url(base_url)
         self.http = http or httpx.Client(timeout=timeout)
         self.headers = _headers(token)
@@ -370,19 +415,25 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, method: str, path: str, *, json_body=None, params=None, headers=None) -> Any:
-        response = self.http.request(method, self.base_url + path, json=json_body, params=params,
-                                     headers={**self.headers, **(headers or {})})
+    def _request(
+        self, method: str, path: str, *, json_body: Any = None, params: Any = None, headers: Any = None
+    ) -> Any:
+        response = self.http.request(
+            method, self.base_url + path, json=json_body, params=params, headers={**self.headers, **(headers or {})}
+        )
         if response.status_code >= 400:
             raise _error(response, response.content)
         return response.json() if response.content else None
 
-    def _stream(self, method: str, path: str, *, json_body=None, params=None, headers=None) -> httpx.Response:
-        request = self.http.build_request(method, self.base_url + path, json=json_body, params=params,
-                                          headers={**self.headers, **(headers or {})})
+    def _stream(
+        self, method: str, path: str, *, json_body: Any = None, params: Any = None, headers: Any = None
+    ) -> httpx.Response:
+        request = self.http.build_request(
+            method, self.base_url + path, json=json_body, params=params, headers={**self.headers, **(headers or {})}
+        )
         response = self.http.send(request, stream=True)
         if response.status_code >= 400 or response.status_code == 204:
             body = response.read()
@@ -393,15 +444,26 @@ class Client:
         return response
 
     # --- discovery and sessions ---
-    def meta(self) -> dict:
+    def meta(self) -> dict[str, Any]:
         return _check_meta(self._request("GET", "/meta"))
 
-    def create_session(self, agent: str, *, options: dict | None = None, server_tools: list | None = None,
-                       tools: list | None = None, messages: list | None = None, idempotency_key: str | None = None) -> str:
+    def create_session(
+        self,
+        agent: str,
+        *,
+        options: dict[str, Any] | None = None,
+        server_tools: list[Any] | None = None,
+        tools: list[Any] | None = None,
+        messages: list[Any] | None = None,
+        idempotency_key: str | None = None,
+    ) -> str:
         body = _session_body(agent, options, server_tools, tools, messages)
-        return self._request("POST", "/sessions", json_body=body, headers=_idempotency(idempotency_key))["sessionId"]
+        return cast(
+            "str",
+            self._request("POST", "/sessions", json_body=body, headers=_idempotency(idempotency_key))["sessionId"],
+        )
 
-    def sessions(self, *, limit: int | None = None) -> Iterator[dict]:
+    def sessions(self, *, limit: int | None = None) -> Iterator[dict[str, Any]]:
         """Every session of this tenant, newest first (pages are followed as you iterate)."""
         after = None
         while True:
@@ -412,24 +474,36 @@ class Client:
             if not after:
                 return
 
-    def session(self, session_id: str) -> dict:
-        return self._request("GET", f"/sessions/{session_id}")
+    def session(self, session_id: str) -> dict[str, Any]:
+        return cast("dict[str, Any]", self._request("GET", f"/sessions/{session_id}"))
 
     def delete_session(self, session_id: str) -> None:
         self._request("DELETE", f"/sessions/{session_id}")
 
-    def history(self, session_id: str, type: str = "full") -> list[dict]:  # noqa: A002 - the protocol's name
-        return self._request("GET", f"/sessions/{session_id}/history", params={"type": type})["history"][type]
+    def history(self, session_id: str, type: str = "full") -> list[dict[str, Any]]:  # noqa: A002 - the protocol's name
+        return cast(
+            "list[dict[str, Any]]",
+            self._request("GET", f"/sessions/{session_id}/history", params={"type": type})["history"][type],
+        )
 
     # --- turns ---
-    def turn(self, session_id: str, message: str | dict | list, *, stream: str = "none", options: dict | None = None,
-             server_tools: list | None = None, tools: list | None = None,
-             idempotency_key: str | None = None) -> TurnResult | TurnStream:
+    def turn(
+        self,
+        session_id: str,
+        message: str | dict[str, Any] | list[Any],
+        *,
+        stream: str = "none",
+        options: dict[str, Any] | None = None,
+        server_tools: list[Any] | None = None,
+        tools: list[Any] | None = None,
+        idempotency_key: str | None = None,
+    ) -> TurnResult | TurnStream:
         """Send a turn: a user text, one message, or a list (tool answers). `stream="none"`
         returns a TurnResult; `"delta"` / `"message"` a TurnStream of events."""
         body = _turn_body(message, stream, options, server_tools, tools)
-        response = self._stream("POST", f"/sessions/{session_id}/turns", json_body=body,
-                                headers=_idempotency(idempotency_key))
+        response = self._stream(
+            "POST", f"/sessions/{session_id}/turns", json_body=body, headers=_idempotency(idempotency_key)
+        )
         if stream == "none":
             try:
                 return _json_result(response, response.read())
@@ -444,21 +518,30 @@ class Client:
         response = self._stream("GET", f"/sessions/{session_id}/turns/{turn_id}/events", headers=headers)
         return None if response.status_code == 204 else TurnStream(response)
 
-    def cancel(self, session_id: str, turn_id: str) -> dict:
-        return self._request("POST", f"/sessions/{session_id}/turns/{turn_id}/cancel")
+    def cancel(self, session_id: str, turn_id: str) -> dict[str, Any]:
+        return cast("dict[str, Any]", self._request("POST", f"/sessions/{session_id}/turns/{turn_id}/cancel"))
 
-    def converse(self, session_id: str, message: str | dict | list, *, registry: ToolRegistry | None = None,
-                 permit: Permit | None = None, stream: str = "delta",
-                 on_event: Callable[[Event], None] | None = None, max_turns: int = 20) -> list[TurnResult]:
+    def converse(
+        self,
+        session_id: str,
+        message: str | dict[str, Any] | list[Any],
+        *,
+        registry: ToolRegistry | None = None,
+        permit: Permit | None = None,
+        stream: str = "delta",
+        on_event: Callable[[Event], None] | None = None,
+        max_turns: int = 20,
+    ) -> list[TurnResult]:
         """Run turns until the agent stops asking for tools: client tools are answered by
         `registry`, server tool permissions by `permit(call)` (True / False / (granted, reason));
         `on_event` sees every event as it arrives. Returns every turn's result."""
         results: list[TurnResult] = []
         for _ in range(max_turns):
-            if stream == "none":
-                result = self.turn(session_id, message)
+            turned = self.turn(session_id, message, stream=stream)
+            if isinstance(turned, TurnResult):
+                result = turned
             else:
-                with self.turn(session_id, message, stream=stream) as live:
+                with turned as live:
                     for event in live:
                         if on_event:
                             on_event(event)
@@ -475,8 +558,14 @@ class Client:
 class AsyncClient:
     """The asyncio AAP client: the same methods as `Client`, awaited."""
 
-    def __init__(self, base_url: str | None = None, token: str | None = None, *,
-                 timeout: httpx.Timeout | float = DEFAULT_TIMEOUT, http: httpx.AsyncClient | None = None):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        http: httpx.AsyncClient | None = None,
+    ):
         self.base_url = _base_url(base_url)
         self.http = http or httpx.AsyncClient(timeout=timeout)
         self.headers = _headers(token)
@@ -487,19 +576,25 @@ class AsyncClient:
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _request(self, method: str, path: str, *, json_body=None, params=None, headers=None) -> Any:
-        response = await self.http.request(method, self.base_url + path, json=json_body, params=params,
-                                           headers={**self.headers, **(headers or {})})
+    async def _request(
+        self, method: str, path: str, *, json_body: Any = None, params: Any = None, headers: Any = None
+    ) -> Any:
+        response = await self.http.request(
+            method, self.base_url + path, json=json_body, params=params, headers={**self.headers, **(headers or {})}
+        )
         if response.status_code >= 400:
             raise _error(response, response.content)
         return response.json() if response.content else None
 
-    async def _stream(self, method: str, path: str, *, json_body=None, params=None, headers=None) -> httpx.Response:
-        request = self.http.build_request(method, self.base_url + path, json=json_body, params=params,
-                                          headers={**self.headers, **(headers or {})})
+    async def _stream(
+        self, method: str, path: str, *, json_body: Any = None, params: Any = None, headers: Any = None
+    ) -> httpx.Response:
+        request = self.http.build_request(
+            method, self.base_url + path, json=json_body, params=params, headers={**self.headers, **(headers or {})}
+        )
         response = await self.http.send(request, stream=True)
         if response.status_code >= 400 or response.status_code == 204:
             body = await response.aread()
@@ -509,17 +604,24 @@ class AsyncClient:
             raise _error(response, body)
         return response
 
-    async def meta(self) -> dict:
+    async def meta(self) -> dict[str, Any]:
         return _check_meta(await self._request("GET", "/meta"))
 
-    async def create_session(self, agent: str, *, options: dict | None = None, server_tools: list | None = None,
-                             tools: list | None = None, messages: list | None = None,
-                             idempotency_key: str | None = None) -> str:
+    async def create_session(
+        self,
+        agent: str,
+        *,
+        options: dict[str, Any] | None = None,
+        server_tools: list[Any] | None = None,
+        tools: list[Any] | None = None,
+        messages: list[Any] | None = None,
+        idempotency_key: str | None = None,
+    ) -> str:
         body = _session_body(agent, options, server_tools, tools, messages)
         answer = await self._request("POST", "/sessions", json_body=body, headers=_idempotency(idempotency_key))
-        return answer["sessionId"]
+        return cast("str", answer["sessionId"])
 
-    async def sessions(self, *, limit: int | None = None) -> AsyncIterator[dict]:
+    async def sessions(self, *, limit: int | None = None) -> AsyncIterator[dict[str, Any]]:
         after = None
         while True:
             params = {k: v for k, v in (("after", after), ("limit", limit)) if v is not None}
@@ -530,22 +632,31 @@ class AsyncClient:
             if not after:
                 return
 
-    async def session(self, session_id: str) -> dict:
-        return await self._request("GET", f"/sessions/{session_id}")
+    async def session(self, session_id: str) -> dict[str, Any]:
+        return cast("dict[str, Any]", await self._request("GET", f"/sessions/{session_id}"))
 
     async def delete_session(self, session_id: str) -> None:
         await self._request("DELETE", f"/sessions/{session_id}")
 
-    async def history(self, session_id: str, type: str = "full") -> list[dict]:  # noqa: A002
+    async def history(self, session_id: str, type: str = "full") -> list[dict[str, Any]]:  # noqa: A002
         answer = await self._request("GET", f"/sessions/{session_id}/history", params={"type": type})
-        return answer["history"][type]
+        return cast("list[dict[str, Any]]", answer["history"][type])
 
-    async def turn(self, session_id: str, message: str | dict | list, *, stream: str = "none",
-                   options: dict | None = None, server_tools: list | None = None, tools: list | None = None,
-                   idempotency_key: str | None = None) -> TurnResult | AsyncTurnStream:
+    async def turn(
+        self,
+        session_id: str,
+        message: str | dict[str, Any] | list[Any],
+        *,
+        stream: str = "none",
+        options: dict[str, Any] | None = None,
+        server_tools: list[Any] | None = None,
+        tools: list[Any] | None = None,
+        idempotency_key: str | None = None,
+    ) -> TurnResult | AsyncTurnStream:
         body = _turn_body(message, stream, options, server_tools, tools)
-        response = await self._stream("POST", f"/sessions/{session_id}/turns", json_body=body,
-                                      headers=_idempotency(idempotency_key))
+        response = await self._stream(
+            "POST", f"/sessions/{session_id}/turns", json_body=body, headers=_idempotency(idempotency_key)
+        )
         if stream == "none":
             try:
                 return _json_result(response, await response.aread())
@@ -553,24 +664,34 @@ class AsyncClient:
                 await response.aclose()
         return AsyncTurnStream(response)
 
-    async def reattach(self, session_id: str, turn_id: str,
-                       last_event_id: str | int | None = None) -> AsyncTurnStream | None:
+    async def reattach(
+        self, session_id: str, turn_id: str, last_event_id: str | int | None = None
+    ) -> AsyncTurnStream | None:
         headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
         response = await self._stream("GET", f"/sessions/{session_id}/turns/{turn_id}/events", headers=headers)
         return None if response.status_code == 204 else AsyncTurnStream(response)
 
-    async def cancel(self, session_id: str, turn_id: str) -> dict:
-        return await self._request("POST", f"/sessions/{session_id}/turns/{turn_id}/cancel")
+    async def cancel(self, session_id: str, turn_id: str) -> dict[str, Any]:
+        return cast("dict[str, Any]", await self._request("POST", f"/sessions/{session_id}/turns/{turn_id}/cancel"))
 
-    async def converse(self, session_id: str, message: str | dict | list, *, registry: ToolRegistry | None = None,
-                       permit: Permit | None = None, stream: str = "delta",
-                       on_event: Callable[[Event], Any] | None = None, max_turns: int = 20) -> list[TurnResult]:
+    async def converse(
+        self,
+        session_id: str,
+        message: str | dict[str, Any] | list[Any],
+        *,
+        registry: ToolRegistry | None = None,
+        permit: Permit | None = None,
+        stream: str = "delta",
+        on_event: Callable[[Event], Any] | None = None,
+        max_turns: int = 20,
+    ) -> list[TurnResult]:
         results: list[TurnResult] = []
         for _ in range(max_turns):
-            if stream == "none":
-                result = await self.turn(session_id, message)
+            turned = await self.turn(session_id, message, stream=stream)
+            if isinstance(turned, TurnResult):
+                result = turned
             else:
-                async with await self.turn(session_id, message, stream=stream) as live:
+                async with turned as live:
                     async for event in live:
                         if on_event and inspect.isawaitable(seen := on_event(event)):
                             await seen

@@ -26,7 +26,7 @@ def content_text(content: Any) -> str:
     return "\n".join(block.get("text", "") for block in content if block.get("type") == "text")
 
 
-def content_images(content: Any) -> list[dict]:
+def content_images(content: Any) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return []
     return [block for block in content if block.get("type") == "image"]
@@ -41,7 +41,7 @@ def image_kind(url: str) -> str | None:
     return None
 
 
-def tool_uses(message: dict) -> list[dict]:
+def tool_uses(message: dict[str, Any]) -> list[dict[str, Any]]:
     """The `tool_use` blocks of an assistant message."""
     content = message.get("content")
     if message.get("role") != "assistant" or not isinstance(content, list):
@@ -54,7 +54,7 @@ def denial_text(reason: str | None) -> str:
     return f"Tool call denied: {reason}" if reason else "Tool call denied"
 
 
-def fold(events: Iterable[dict]) -> list[dict]:
+def fold(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Fold a turn's events (`{"event": name, ...}` dicts) into the messages they stand for.
 
     Text and thinking deltas join into blocks of one assistant message (a `text` or
@@ -62,8 +62,8 @@ def fold(events: Iterable[dict]) -> list[dict]:
     `tool_result` closes the assistant message and adds a `tool` message. `turn_start` and
     `turn_stop` carry no content.
     """
-    messages: list[dict] = []
-    blocks: list[dict] | None = None
+    messages: list[dict[str, Any]] = []
+    blocks: list[dict[str, Any]] | None = None
     last_delta: str | None = None  # the kind of delta the last block was built from
 
     for event in events:
@@ -107,7 +107,7 @@ class MessageShaper:
         self._kind: str | None = None
         self._parts: list[str] = []
 
-    def feed(self, event: dict) -> list[dict]:
+    def feed(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         if self.mode == "delta":
             return [event]
         name = event["event"]
@@ -119,7 +119,7 @@ class MessageShaper:
             return out
         return self.flush() + [event]
 
-    def flush(self) -> list[dict]:
+    def flush(self) -> list[dict[str, Any]]:
         if self._kind is None:
             return []
         event = {"event": self._kind, self._kind: "".join(self._parts)}

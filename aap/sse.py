@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from .messages import dumps
 from .types import Event
@@ -12,12 +13,12 @@ SSE_PING = b": ping\n\n"
 _EOL = re.compile(rb"\r\n|\r|\n")
 
 
-def event_data(event: dict) -> dict:
+def event_data(event: dict[str, Any]) -> dict[str, Any]:
     """An event's SSE `data:` object: the event without its name."""
     return {key: value for key, value in event.items() if key != "event"}
 
 
-def sse_frame(event_id: str | int | None, event: dict) -> bytes:
+def sse_frame(event_id: str | int | None, event: dict[str, Any]) -> bytes:
     """One SSE frame for an event dict `{"event": name, ...}`, with an `id:` when given."""
     head = f"id: {event_id}\n" if event_id is not None else ""
     return f"{head}event: {event['event']}\ndata: {dumps(event_data(event))}\n\n".encode()
@@ -61,7 +62,7 @@ class SSEParser:
         match = _EOL.search(self._buffer)
         if match is None or (match.group() == b"\r" and match.end() == len(self._buffer)):
             return "", False  # no whole line yet (a final \r may be the first half of \r\n)
-        line, self._buffer = self._buffer[: match.start()], self._buffer[match.end():]
+        line, self._buffer = self._buffer[: match.start()], self._buffer[match.end() :]
         return line.decode("utf-8"), True
 
     def _line(self, line: str) -> Event | None:

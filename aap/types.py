@@ -14,8 +14,14 @@ STOP_REASONS: tuple[StopReason, ...] = ("end_turn", "tool_use", "max_tokens", "r
 STREAM_MODES: tuple[StreamMode, ...] = ("delta", "message", "none")
 HISTORY_TYPES: tuple[HistoryType, ...] = ("compacted", "full")
 EVENT_NAMES = (
-    "turn_start", "text_delta", "thinking_delta", "text", "thinking",
-    "tool_call", "tool_result", "turn_stop",
+    "turn_start",
+    "text_delta",
+    "thinking_delta",
+    "text",
+    "thinking",
+    "tool_call",
+    "tool_result",
+    "turn_stop",
 )
 
 # --- content and messages -----------------------------------------------------------------

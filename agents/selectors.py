@@ -1,9 +1,17 @@
 """Reads of the agent registry, in the shapes AAP uses."""
 
+from __future__ import annotations
+
+import copy
 import threading
-from datetime import datetime, timezone
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
 from django.db.models import Prefetch
+
+from hosting import crypto
 
 from .models import Agent, AgentOption, ServerTool
 
@@ -32,8 +40,10 @@ def option_info(option: AgentOption) -> dict:
     return info
 
 
-def server_tool_specs(agent: Agent) -> list[dict]:
+def server_tool_specs(agent: Agent | AgentDefinition) -> list[dict]:
     """Every server tool the agent exposes: the runtime's own, then the operator's."""
+    if isinstance(agent, AgentDefinition):
+        return copy.deepcopy(list(agent.tool_specs))
     specs = list(agent.runtime.builtin_server_tools(agent.runtime_config or {}))
     specs.extend(tool.spec() for tool in agent.server_tools.all() if tool.enabled)
     return specs
@@ -57,18 +67,95 @@ def agent_info(agent: Agent) -> dict:
     return info
 
 
-# agent id -> (revision, agent with its options and server tools loaded); see agent_definition.
-_definitions: dict[int, tuple[object, Agent]] = {}
+@dataclass(frozen=True)
+class OptionDefinition:
+    """An agent option as turns read it (a secret default stays encrypted)."""
+
+    name: str
+    type: str
+    choices: tuple[str, ...]
+    default: str
+
+    @property
+    def is_secret(self) -> bool:
+        return self.type == AgentOption.SECRET
+
+    def default_value(self) -> str:
+        """The effective default (decrypted for secrets; in memory only)."""
+        return crypto.decrypt(self.default) if self.is_secret else self.default
+
+    def public_default(self) -> str:
+        if self.is_secret:
+            return crypto.REDACTED if self.default else ""
+        return self.default
+
+
+@dataclass(frozen=True)
+class ServerToolDefinition:
+    """A server tool's host implementation and settings."""
+
+    name: str
+    implementation: str
+    settings: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AgentDefinition:
+    """A snapshot of an agent with its options and server tools, shared by every turn of this
+    process: nothing in it is a model instance, and nobody changes it (its dicts are copies
+    made for it; server_tool_specs() hands out copies of its specs)."""
+
+    pk: int
+    name: str
+    enabled: bool
+    runtime_kind: str
+    runtime_config: dict[str, Any]
+    capability_map: dict[str, Any]
+    options: tuple[OptionDefinition, ...]
+    server_tools: tuple[ServerToolDefinition, ...]
+    tool_specs: tuple[dict[str, Any], ...]
+    updated_at: Any
+
+    def capabilities(self) -> dict[str, Any]:
+        return self.capability_map
+
+    @classmethod
+    def of(cls, agent: Agent) -> AgentDefinition:
+        """The snapshot of an agent whose options and server tools are loaded (or loadable)."""
+        return cls(
+            pk=agent.pk,
+            name=agent.name,
+            enabled=agent.enabled,
+            runtime_kind=agent.runtime_kind,
+            runtime_config=copy.deepcopy(agent.runtime_config or {}),
+            capability_map=agent.capabilities(),
+            options=tuple(
+                OptionDefinition(o.name, o.type, tuple(o.choices or ()), o.default) for o in agent.options.all()
+            ),
+            server_tools=tuple(
+                ServerToolDefinition(t.name, t.implementation, copy.deepcopy(t.settings or {}))
+                for t in agent.server_tools.all()
+            ),
+            tool_specs=tuple(server_tool_specs(agent)),
+            updated_at=agent.updated_at,
+        )
+
+
+def option_rows(agent: Agent | AgentDefinition) -> Iterable[AgentOption | OptionDefinition]:
+    """The agent's options, from a definition or from the database."""
+    return agent.options if isinstance(agent, AgentDefinition) else agent.options.all()
+
+
+# agent id -> (revision, the agent's definition); see agent_definition.
+_definitions: dict[int, tuple[object, AgentDefinition]] = {}
 _definitions_lock = threading.Lock()
 
 
-def agent_definition(agent_id: int, revision) -> Agent:
-    """The agent with its options and server tools, from this process's cache while its
-    `updated_at` equals `revision` (read with the session; bumped by any change to the agent,
-    its options or its tools). Every turn needs the definition; it rarely changes.
-
-    The instance is shared between threads: read it, never modify it.
-    """
+def agent_definition(agent_id: int, revision) -> AgentDefinition:
+    """The agent's definition (a frozen snapshot with its options and server tools), from
+    this process's cache while its `updated_at` equals `revision` (read with the session;
+    bumped by any change to the agent, its options or its tools). Every turn needs the
+    definition; it rarely changes."""
     cached = _definitions.get(agent_id)
     if cached is not None and cached[0] == _revision_key(revision):
         return cached[1]
@@ -77,21 +164,17 @@ def agent_definition(agent_id: int, revision) -> Agent:
     )
     if agent is None:
         raise Agent.DoesNotExist(f"agent {agent_id}")
-    agent.capabilities = _frozen(agent.capabilities())
+    definition = AgentDefinition.of(agent)
     with _definitions_lock:
-        _definitions[agent_id] = (_revision_key(agent.updated_at), agent)
-    return agent
+        _definitions[agent_id] = (_revision_key(agent.updated_at), definition)
+    return definition
 
 
 def _revision_key(value):
     """updated_at as naive UTC: raw SQL reads it aware (PostgreSQL) or naive (SQLite)."""
     if isinstance(value, datetime) and value.tzinfo is not None:
-        return value.astimezone(timezone.utc).replace(tzinfo=None)
+        return value.astimezone(UTC).replace(tzinfo=None)
     if isinstance(value, str):
         return datetime.fromisoformat(value).replace(tzinfo=None)
     return value
 
-
-def _frozen(value):
-    """capabilities() computed once for a cached definition (callers only read it)."""
-    return lambda: value

@@ -139,7 +139,7 @@ def main() -> int:
         "elapsed_seconds": round(elapsed, 1),
         "machine": machine(),
         "services": service_versions(stack.database_url, stack.redis_url),
-        "config": {"profile": asdict(profile), 
+        "config": {"profile": asdict(profile),
                    "fd_limit": fd_limit},
         "details": bench.details,
         "rows": rows,

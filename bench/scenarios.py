@@ -1,4 +1,7 @@
-"""The seven scenarios of the bench (see docs/performance.md for what each one measures)."""
+"""The seven scenarios of the bench (see docs/performance.md for what each one measures).
+
+Longer than ~400 lines on purpose: one function per scenario, read side by side with
+docs/performance.md; what they share lives in bench/load.py and bench/stack.py."""
 
 from __future__ import annotations
 
@@ -82,8 +85,9 @@ class Bench:
 
     def pg_room(self) -> int:
         """Connections the bench database may use in all without starving others."""
-        import psycopg
         from urllib.parse import urlsplit
+
+        import psycopg
 
         name = urlsplit(self.stack.database_url).path.lstrip("/")
         try:
@@ -417,7 +421,7 @@ class Bench:
         async def creator():
             while not queue.empty():
                 queue.get_nowait()
-                for attempt in range(3):
+                for _attempt in range(3):
                     try:
                         sessions.append(await self.api.create_session())
                         break

@@ -17,7 +17,6 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 django_asgi = get_asgi_application()
 
 from hosting.handlers import ApiHandler, PathRouter  # noqa: E402
-
 from sessions_app.streaming import TurnStreamHandoff  # noqa: E402  (needs Django set up)
 
 application = ProtocolTypeRouter(

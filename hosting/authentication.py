@@ -1,8 +1,7 @@
 """`Authorization: Bearer <token>` authentication for the AAP API."""
 
 import time
-from datetime import timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, timedelta
 
 from django.conf import settings
 from django.core import signing
@@ -97,7 +96,7 @@ def _active_row(where: str, value) -> tuple | None:
 
 def _aware(value):
     if value is not None and timezone.is_naive(value):
-        return timezone.make_aware(value, dt_timezone.utc)  # SQLite stores UTC, naive
+        return timezone.make_aware(value, UTC)  # SQLite stores UTC, naive
     return value
 
 

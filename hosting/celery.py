@@ -4,6 +4,7 @@ import os
 from celery import Celery
 from celery.signals import celeryd_after_setup, worker_ready, worker_shutting_down
 
+from . import process
 from .process import freeze_startup_heap
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hosting.settings")
@@ -12,17 +13,10 @@ app = Celery("hosting")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
-#: This worker's node name ('' outside a worker): turns pinned to this process are routed to it.
-worker_node = ""
-#: How many turns this worker runs at once (its pool's size).
-worker_concurrency = 0
-
-
 @celeryd_after_setup.connect
 def _remember_node_name(sender, instance=None, **kwargs):
-    global worker_node, worker_concurrency
-    worker_node = str(sender)
-    worker_concurrency = int(getattr(instance, "concurrency", 0) or app.conf.worker_concurrency or 1)
+    process.worker_node = str(sender)
+    process.worker_concurrency = int(getattr(instance, "concurrency", 0) or app.conf.worker_concurrency or 1)
 
 
 @worker_ready.connect
@@ -42,7 +36,7 @@ def _load_runtimes(**kwargs):
     from sessions_app import liveness
 
     # Ready for turns: the dispatcher now counts this worker's slots and fills them.
-    liveness.serve_as_worker(worker_node, worker_concurrency)
+    liveness.serve_as_worker(process.worker_node, process.worker_concurrency)
 
 
 @worker_shutting_down.connect

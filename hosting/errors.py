@@ -1,11 +1,8 @@
 """Every non-2xx answer is JSON: {"error": "<one sentence>", "details"?: ...}."""
 
 import logging
-import os
-import traceback
 
 from django import db
-
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.http import Http404, JsonResponse
@@ -13,41 +10,44 @@ from rest_framework import exceptions, status
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 
+from .logs import describe_failure
 from .middleware_base import HybridMiddleware
+from .service_errors import (
+    BadRequest,
+    Conflict,
+    IdempotencyKeyReused,
+    NotFound,
+    PayloadTooLarge,
+    ServiceError,
+    TooManyRequests,
+)
 
 logger = logging.getLogger(__name__)
 
 
-class ApiError(exceptions.APIException):
-    """A refusal a service raises on purpose: status code and one actionable sentence."""
-
-    def __init__(self, message: str, *, status_code: int = 400, details=None):
-        super().__init__(detail=message)
-        self.status_code = status_code
-        self.details = details
-
-
-class BadRequest(ApiError):
-    def __init__(self, message: str, *, details=None):
-        super().__init__(message, status_code=400, details=details)
+# The HTTP status of each kind of service refusal (hosting/service_errors.py).
+SERVICE_ERROR_STATUS: dict[type[ServiceError], int] = {
+    BadRequest: 400,
+    NotFound: 404,
+    Conflict: 409,
+    PayloadTooLarge: 413,
+    IdempotencyKeyReused: 422,
+    TooManyRequests: 429,
+}
 
 
-class NotFound(ApiError):
-    def __init__(self, message: str):
-        super().__init__(message, status_code=404)
+def service_error_status(exc: ServiceError) -> int:
+    return next((SERVICE_ERROR_STATUS[kind] for kind in type(exc).__mro__ if kind in SERVICE_ERROR_STATUS), 400)
 
 
-class Conflict(ApiError):
-    def __init__(self, message: str):
-        super().__init__(message, status_code=409)
+def service_error_headers(exc: ServiceError) -> dict[str, str] | None:
+    if isinstance(exc, TooManyRequests):
+        return {"Retry-After": str(exc.retry_after)}
+    return None
 
 
-class PayloadTooLarge(ApiError):
-    def __init__(self):
-        super().__init__(
-            f"The request body is larger than the limit of {settings.AAP_MAX_BODY_BYTES} bytes.",
-            status_code=413,
-        )
+def body_too_large() -> PayloadTooLarge:
+    return PayloadTooLarge(f"The request body is larger than the limit of {settings.AAP_MAX_BODY_BYTES} bytes.")
 
 
 def _first_error(detail, path: str = "") -> tuple[str, str]:
@@ -70,14 +70,6 @@ def validation_sentence(detail) -> str:
     path, message = _first_error(detail)
     message = message.rstrip(".") + "."
     return f"Invalid request: {path}: {message}" if path else f"Invalid request: {message}"
-
-
-def describe_failure(exc: BaseException) -> str:
-    """An exception's type and where it was raised, never its message: messages can carry
-    values (SQL parameters, provider payloads) that must not reach a log."""
-    frames = traceback.extract_tb(exc.__traceback__)[-4:]
-    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
-    return f"{type(exc).__name__} at {where}"
 
 
 def error_body(message: str, details=None) -> dict:
@@ -103,10 +95,12 @@ def exception_handler(exc, context):
     elif isinstance(exc, PermissionDenied):
         exc = exceptions.PermissionDenied()
     elif isinstance(exc, RequestDataTooBig):
-        exc = PayloadTooLarge()
+        exc = body_too_large()
 
-    if isinstance(exc, ApiError):
-        return Response(error_body(str(exc.detail), exc.details), status=exc.status_code, headers=getattr(exc, "headers", None))
+    if isinstance(exc, ServiceError):
+        return Response(
+            error_body(exc.message, exc.details), status=service_error_status(exc), headers=service_error_headers(exc)
+        )
     if isinstance(exc, exceptions.ValidationError):
         return Response(error_body(validation_sentence(exc.detail), exc.detail), status=400)
     if isinstance(exc, exceptions.ParseError):
@@ -175,7 +169,7 @@ class LimitedJSONParser(JSONParser):
             raise exceptions.ParseError("the body is empty")
         raw = stream.read(limit + 1)
         if len(raw) > limit:
-            raise PayloadTooLarge()
+            raise body_too_large()
         if not raw.strip():
             raise exceptions.ParseError("the body is empty")
         import io
@@ -201,12 +195,12 @@ class BodyLimitMiddleware(HybridMiddleware):
         except ValueError:
             return json_error("The Content-Length header is not a number.", 400)
         if length > settings.AAP_MAX_BODY_BYTES:
-            return json_error(str(PayloadTooLarge().detail), 413)
+            return json_error(body_too_large().message, 413)
         if not length and "chunked" in request.META.get("HTTP_TRANSFER_ENCODING", "").lower():
             # Django and DRF read no body without a Content-Length: measure the chunked one and declare it.
             body = request.read(settings.AAP_MAX_BODY_BYTES + 1)
             if len(body) > settings.AAP_MAX_BODY_BYTES:
-                return json_error(str(PayloadTooLarge().detail), 413)
+                return json_error(body_too_large().message, 413)
             request._body = body
             request.META["CONTENT_LENGTH"] = str(len(body))
         return None

@@ -18,8 +18,8 @@ from functools import cache
 
 from django.conf import settings
 
-from .errors import ApiError
 from .middleware_base import HybridMiddleware
+from .service_errors import TooManyRequests
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +52,6 @@ def limits_for(tenant) -> TenantLimits:
         max_sessions=pick("max_sessions", settings.AAP_TENANT_MAX_SESSIONS),
         tokens_per_day=pick("tokens_per_day", settings.AAP_TENANT_TOKENS_PER_DAY),
     )
-
-
-class TooManyRequests(ApiError):
-    """429: a limit names itself in the sentence; `Retry-After` says when to try again."""
-
-    def __init__(self, message: str, *, retry_after: float, limit: str):
-        super().__init__(message, status_code=429, details={"limit": limit})
-        self.retry_after = max(1, int(retry_after + 0.999))
-        self.headers = {"Retry-After": str(self.retry_after)}
 
 
 # --- fixed windows -------------------------------------------------------------------------

@@ -9,6 +9,8 @@ the same ids for a terminal.
 from __future__ import annotations
 
 import logging
+import os
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -16,7 +18,7 @@ from contextvars import ContextVar
 from pythonjsonlogger.json import JsonFormatter
 
 #: The ids of the work at hand: any of tenant, session, turn.
-_ids: ContextVar[dict[str, str]] = ContextVar("aap_log_ids", default={})
+_ids: ContextVar[dict[str, str]] = ContextVar("aap_log_ids", default={})  # noqa: B039 (replaced, never mutated)
 
 ID_FIELDS = ("tenant", "session", "turn")
 # Periodic tasks whose every run would otherwise log three INFO lines (beat, received, succeeded).
@@ -89,3 +91,11 @@ def json_formatter() -> JsonFormatter:
         rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
         datefmt="%Y-%m-%dT%H:%M:%S%z",
     )
+
+
+def describe_failure(exc: BaseException) -> str:
+    """An exception's type and where it was raised, never its message: messages can carry
+    values (SQL parameters, provider payloads) that must not reach a log."""
+    frames = traceback.extract_tb(exc.__traceback__)[-4:]
+    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+    return f"{type(exc).__name__} at {where}"

@@ -37,7 +37,6 @@ from prometheus_client import (  # noqa: E402
     generate_latest,
     multiprocess,
 )
-from prometheus_client.core import GaugeMetricFamily  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -202,30 +201,13 @@ def _connect_celery_signals() -> None:
     worker_ready.connect(lambda **kw: start_serving(), weak=False)
 
 
-class QueueCollector:
-    """Turns waiting for a worker and running now, read from PostgreSQL when scraped."""
+#: Collectors the apps add to every scrape (sessions_app: the turn queue), read when scraped.
+_app_collectors: list = []
 
-    def collect(self):
-        from django.db.models import Count
 
-        from hosting.handlers import release_connections
-
-        from sessions_app.models import Turn
-
-        queued = GaugeMetricFamily("aap_turns_queued", "Turns accepted and not yet started by a worker.")
-        running = GaugeMetricFamily("aap_turns_running", "Turns a worker is running now.")
-        try:
-            rows = Turn.objects.exclude(status=Turn.DONE).values("status").annotate(n=Count("id")).order_by()
-            counts = {row["status"]: row["n"] for row in rows}
-        except Exception as exc:
-            logger.warning("queue depth unavailable: %s", type(exc).__name__)
-            return
-        finally:
-            release_connections()  # the port server's thread holds no connection between scrapes
-        queued.add_metric([], counts.get(Turn.QUEUED, 0))
-        running.add_metric([], counts.get(Turn.RUNNING, 0))
-        yield queued
-        yield running
+def register_collector(collector) -> None:
+    """Add `collector` (a prometheus_client custom collector) to every scrape of this process."""
+    _app_collectors.append(collector)
 
 
 # --- the registry and where it is served -------------------------------------------------------
@@ -237,14 +219,15 @@ def multiprocess_dir() -> Path | None:
 
 
 def registry() -> CollectorRegistry:
-    """What a scrape reads: every process's samples (multiprocess mode) plus the queue."""
+    """What a scrape reads: every process's samples (multiprocess mode) plus the apps' collectors."""
     if multiprocess_dir() is None:
         scrape = CollectorRegistry()
         scrape.register(_ProcessLocal())
     else:
         scrape = CollectorRegistry()
         multiprocess.MultiProcessCollector(scrape)
-    scrape.register(QueueCollector())
+    for collector in _app_collectors:
+        scrape.register(collector)
     return scrape
 
 

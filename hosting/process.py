@@ -2,6 +2,11 @@
 
 import gc
 
+#: This worker's Celery node name ('' outside a worker): turns pinned to this process are routed to it.
+worker_node = ""
+# How many turns this worker runs at once (its pool's size); 0 outside a worker.
+worker_concurrency = 0
+
 
 def freeze_startup_heap() -> None:
     """Move everything start-up built (Django, Celery, the runtimes: most of the heap) out of

@@ -5,8 +5,6 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
-from . import crypto
-
 from .models import ApiToken, Tenant
 
 
@@ -38,27 +36,3 @@ def token_revoke(*, prefix: str) -> ApiToken:
         token.revoked_at = timezone.now()
         token.save(update_fields=["revoked_at"])
     return token
-
-
-@transaction.atomic
-def secrets_rotate() -> int:
-    """Re-encrypt every stored secret with the first configured key; returns how many."""
-    from agents.models import AgentOption
-    from sessions_app.models import Session
-
-    count = 0
-    for option in AgentOption.objects.select_for_update().filter(type=AgentOption.SECRET).exclude(default=""):
-        option.default = crypto.rotate(option.default)
-        option.save(update_fields=["default"])
-        count += 1
-    secret_names: dict[int, set[str]] = {}
-    for agent_id, name in AgentOption.objects.filter(type=AgentOption.SECRET).values_list("agent_id", "name"):
-        secret_names.setdefault(agent_id, set()).add(name)
-    sessions = Session.objects.select_for_update().filter(agent_id__in=secret_names).only("options", "agent_id")
-    for session in sessions.iterator():
-        names = secret_names[session.agent_id] & set(session.options)
-        if names:
-            session.options = {k: crypto.rotate(v) if k in names else v for k, v in session.options.items()}
-            session.save(update_fields=["options"])
-            count += len(names)
-    return count

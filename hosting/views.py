@@ -3,7 +3,7 @@
 from django.db import connection
 from django.http import JsonResponse
 
-from sessions_app import events
+from . import redis_connections
 
 
 def healthz(request):
@@ -16,11 +16,10 @@ def healthz(request):
     except Exception as exc:
         checks["database"] = f"unreachable ({type(exc).__name__})"
         failed.append("database")
-    from django.conf import settings
-
-    if settings.REDIS_URL:
+    connections = redis_connections.connections()
+    if connections is not None:
         try:
-            events.backend().ping_sync()
+            connections.sync.ping()
             checks["redis"] = "ok"
         except Exception as exc:
             checks["redis"] = f"unreachable ({type(exc).__name__})"

@@ -17,7 +17,8 @@ from django.db import connection
 from django.db.models import Count, F, Sum
 from django.utils import timezone
 
-from hosting.limits import TooManyRequests, limits_for, take_turn
+from hosting.limits import limits_for, take_turn
+from hosting.service_errors import TooManyRequests
 
 from .models import Session, Turn
 

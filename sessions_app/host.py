@@ -20,8 +20,6 @@ import jsonschema
 from django.conf import settings
 
 from agents import tools as host_tools
-from hosting import metrics, tracing
-from hosting.errors import describe_failure
 from agents.runtimes import runtime_for
 from agents.runtimes.base import (
     STOP_REASONS,
@@ -32,6 +30,8 @@ from agents.runtimes.base import (
     ToolCall,
     ToolOutcome,
 )
+from hosting import metrics, tracing
+from hosting.logs import describe_failure
 
 from . import events
 from .protocol import MessageShaper, denial_text, fold
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 _loop_lock = threading.Lock()
 _loop: tuple[int, asyncio.AbstractEventLoop] | None = None
 _running: dict[str, asyncio.Task] = {}
-_publishers: dict[str, "_Publisher"] = {}
+_publishers: dict[str, _Publisher] = {}
 
 
 def output_so_far(turn_id: str) -> list[dict] | None:

@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import IntegrityError
 from django.utils import timezone
 
-from hosting.errors import ApiError
+from hosting.service_errors import IdempotencyKeyReused
 
 from .models import IdempotencyKey
 
@@ -39,9 +39,8 @@ def replayed(tenant, idempotency: tuple[str, str] | None) -> IdempotencyKey | No
         row.delete()  # expired: the key may be used afresh
         return None
     if row.fingerprint != print_:
-        raise ApiError(
-            "This Idempotency-Key was already used with a different request; send a new key for a new request.",
-            status_code=422,
+        raise IdempotencyKeyReused(
+            "This Idempotency-Key was already used with a different request; send a new key for a new request."
         )
     return row
 

@@ -3,16 +3,17 @@
 Everything that knows what an AAP message, tool spec or event looks like lives here, so
 views, services, runtimes and tests share one definition. Serializers only validate: the
 accepted JSON is stored exactly as sent (history is byte-for-byte what was accepted).
+
+Longer than ~400 lines on purpose: the protocol is one module (docs/ARCHITECTURE.md), each
+serializer beside the OpenAPI schema that mirrors it.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
 import jsonschema
-from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.drainage import set_override
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers

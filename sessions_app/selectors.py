@@ -7,7 +7,7 @@ import binascii
 
 from django.http import HttpResponse
 
-from hosting.errors import BadRequest, NotFound
+from hosting.service_errors import BadRequest, NotFound
 
 from .models import Message, Session
 from .services.validation import redacted_options

@@ -24,8 +24,8 @@ from hosting.authentication import token_is_active
 from hosting.handlers import on_web_threads
 
 from . import dispatch, events
-from .services import endings, recovery
 from .protocol import SSE_PING, dumps, event_data, fold, sse_frame
+from .services import endings, recovery
 
 logger = logging.getLogger(__name__)
 

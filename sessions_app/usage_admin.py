@@ -4,7 +4,7 @@ and turn time over a date range — the numbers tenants read from GET /v1/usage.
 from django.contrib import admin
 from django.template.response import TemplateResponse
 
-from hosting.errors import BadRequest
+from hosting.service_errors import BadRequest
 
 from . import selectors
 
@@ -15,7 +15,7 @@ def usage_view(request):
         query = selectors.usage_query(request.GET)
         rows = selectors.usage_by_tenant(start=query["start"], end=query["end"])
     except BadRequest as exc:
-        error = str(exc.detail)
+        error = exc.message
     context = {
         **admin.site.each_context(request),
         "title": "Usage by tenant",

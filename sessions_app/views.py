@@ -17,11 +17,11 @@ from hosting.authentication import (
     TenantUser,
     turn_events_ticket,
 )
-from hosting.errors import BadRequest, NotFound
+from hosting.service_errors import BadRequest, NotFound
 
 from . import events, idempotency_keys, protocol, selectors
-from .services import sessions, turns
 from .models import Turn
+from .services import sessions, turns
 from .streaming import turn_response
 
 ERRORS = {

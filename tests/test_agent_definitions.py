@@ -16,23 +16,23 @@ def test_option_and_tool_changes_move_the_revision_and_refresh_the_definition():
     agent = Agent.objects.create(name="definition-probe", runtime_kind="echo")
     option = AgentOption.objects.create(agent=agent, name="signature", default="one")
     first = revision(agent)
-    assert [o.default for o in agent_definition(agent.pk, first).options.all()] == ["one"]
+    assert [o.default for o in agent_definition(agent.pk, first).options] == ["one"]
 
     option.default = "two"
     option.save(update_fields=["default"])  # as rotate_secrets does: the agent row itself is not saved
     second = revision(agent)
     assert second > first
-    assert [o.default for o in agent_definition(agent.pk, second).options.all()] == ["two"]
+    assert [o.default for o in agent_definition(agent.pk, second).options] == ["two"]
 
     ServerTool.objects.create(agent=agent, name="clock", description="Current UTC time.", implementation="clock")
     third = revision(agent)
     assert third > second
-    assert [t.name for t in agent_definition(agent.pk, third).server_tools.all()] == ["clock"]
+    assert [t.name for t in agent_definition(agent.pk, third).server_tools] == ["clock"]
 
     agent.options.all().delete()
     fourth = revision(agent)
     assert fourth > third
-    assert list(agent_definition(agent.pk, fourth).options.all()) == []
+    assert list(agent_definition(agent.pk, fourth).options) == []
 
 
 def test_an_unchanged_revision_is_served_from_the_cache(django_assert_num_queries):
@@ -41,3 +41,23 @@ def test_an_unchanged_revision_is_served_from_the_cache(django_assert_num_querie
     agent_definition(agent.pk, current)
     with django_assert_num_queries(0):
         assert agent_definition(agent.pk, current).name == "definition-cached"
+
+
+def test_turns_share_a_frozen_definition_never_a_model_instance():
+    import dataclasses
+
+    import pytest
+
+    from agents.selectors import AgentDefinition, server_tool_specs
+
+    agent = Agent.objects.create(name="definition-frozen", runtime_kind="echo")
+    AgentOption.objects.create(agent=agent, name="signature", default="one")
+    ServerTool.objects.create(agent=agent, name="clock", description="Current UTC time.", implementation="clock")
+    definition = agent_definition(agent.pk, revision(agent))
+    assert isinstance(definition, AgentDefinition) and not isinstance(definition, Agent)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        definition.name = "changed"  # type: ignore[misc]
+    specs = server_tool_specs(definition)
+    specs[0]["name"] = "changed by a caller"
+    assert "changed by a caller" not in [spec["name"] for spec in server_tool_specs(definition)]
+    assert [o.default_value() for o in definition.options] == ["one"]

@@ -14,7 +14,6 @@ import pytest
 from hosting.logs import bind_log_context, current_log_context, log_context
 
 
-
 @pytest.fixture
 def captured(settings):
     """The LOGGING of hosting/settings.py, writing to a buffer."""

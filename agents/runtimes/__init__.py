@@ -6,7 +6,7 @@ from django.utils.module_loading import import_string
 
 RUNTIME_KINDS = {
     "echo": "agents.runtimes.echo.EchoRuntime",
-    "acp": "agents.runtimes.acp.AcpRuntime",
+    "acp": "agents.runtimes.acp_bridge.runtime.AcpRuntime",
     "openai": "agents.runtimes.openai.OpenAIRuntime",
 }
 

@@ -169,7 +169,7 @@ class Runtime(ABC):
         (None: all of them; the runtime compacts on its first turn)."""
         return None
 
-    async def on_session_deleted(self, *, session_id: str, tenant: str, config: dict) -> None:
+    async def on_session_deleted(self, *, session_id: str, tenant: str, config: dict) -> None:  # noqa: B027 (optional hook)
         """Release whatever the runtime holds for a deleted session."""
 
     def pinned_worker(self, *, session_id: str) -> str | None:

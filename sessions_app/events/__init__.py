@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from functools import cache
 
-from django.conf import settings
+from hosting import redis_connections
 
 from .memory import MemoryEvents
 from .redis import RedisEvents
@@ -24,7 +24,8 @@ from .redis import RedisEvents
 
 @cache
 def backend() -> RedisEvents | MemoryEvents:
-    return RedisEvents(settings.REDIS_URL) if settings.REDIS_URL else MemoryEvents()
+    connections = redis_connections.connections()
+    return RedisEvents(connections) if connections is not None else MemoryEvents()
 
 
 def last_seq_sync(turn_id: str) -> int:

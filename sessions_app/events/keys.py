@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from django.conf import settings
 
-
 CANCEL_CHANNEL = "aap:cancel"
 
 

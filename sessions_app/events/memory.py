@@ -124,6 +124,3 @@ class MemoryEvents:
     async def listen_cancels(self, on_cancel: Callable[[str], None]) -> None:
         self._cancel_handlers.append(on_cancel)
         await asyncio.Event().wait()
-
-    def ping_sync(self) -> None:
-        return None

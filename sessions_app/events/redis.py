@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
 from collections.abc import Callable
 
 from django.conf import settings
+
+from hosting.redis_connections import RedisConnections
 
 from .keys import CANCEL_CHANNEL, cancel_key, dispatch_key, lease_key, live_stream_ttl, notify_channel, stream_key
 from .watcher import Watcher
@@ -154,43 +155,18 @@ class _PublishBatcher:
 
 
 class RedisEvents:
-    def __init__(self, url: str):
-        import redis
-
-        self.url = url
-        # Blocking pools: a burst of turns waits for a free connection instead of failing.
-        self.sync = redis.Redis(
-            connection_pool=redis.BlockingConnectionPool.from_url(
-                url, max_connections=settings.REDIS_POOL_MAX, timeout=30,
-                decode_responses=True, socket_timeout=30, socket_connect_timeout=5, health_check_interval=5,
-            )
-        )
-        self._async: dict[asyncio.AbstractEventLoop, object] = {}
+    def __init__(self, connections: RedisConnections):
+        self.connections = connections
+        self.sync = connections.sync
         self._hubs: dict[asyncio.AbstractEventLoop, _NotifyHub] = {}
         self._batchers: dict[asyncio.AbstractEventLoop, _PublishBatcher] = {}
-        self._lock = threading.Lock()
 
     def _per_loop(self, registry: dict, make):
-        """This loop's entry of `registry`, made once (asyncio objects belong to one loop)."""
-        loop = asyncio.get_running_loop()
-        item = registry.get(loop)
-        if item is None:
-            made = make()  # outside the lock: making a hub or batcher takes aclient()
-            with self._lock:
-                item = registry.setdefault(loop, made)
-        return item
+        return self.connections.per_loop(registry, make)
 
     def aclient(self):
         """The asyncio client of the running loop (redis-py asyncio clients are per loop)."""
-        import redis.asyncio as aredis
-
-        # No read timeout: redis-py 8 would otherwise give up on a read after 5 s.
-        return self._per_loop(self._async, lambda: aredis.Redis(
-            connection_pool=aredis.BlockingConnectionPool.from_url(
-                self.url, max_connections=settings.REDIS_POOL_MAX, timeout=30,
-                decode_responses=True, socket_timeout=None, socket_connect_timeout=5, health_check_interval=5,
-            )
-        ))
+        return self.connections.aclient()
 
     # events
     async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]]) -> None:
@@ -272,6 +248,3 @@ class RedisEvents:
             except Exception as exc:  # Redis restarts must not kill the listener
                 logger.warning("cancel listener lost Redis (%s); reconnecting", type(exc).__name__)
                 await asyncio.sleep(1)
-
-    def ping_sync(self) -> None:
-        self.sync.ping()

@@ -10,11 +10,9 @@ import time
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
 
-from agents.models import Agent
 from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
-from agents.selectors import agent_definition, server_tool_specs
-from hosting.errors import describe_failure
-from hosting.logs import bind_log_context
+from agents.selectors import AgentDefinition, agent_definition, server_tool_specs
+from hosting.logs import bind_log_context, describe_failure
 
 from .. import events, host, liveness, turn_store
 from ..models import Message, Session, Turn
@@ -27,11 +25,11 @@ from .validation import effective_options
 logger = logging.getLogger(__name__)
 
 
-def _server_bindings(agent: Agent, refs: list[dict] | None) -> dict[str, ServerToolBinding]:
+def _server_bindings(agent: AgentDefinition, refs: list[dict] | None) -> dict[str, ServerToolBinding]:
     if not refs:
         return {}
     specs = {spec["name"]: spec for spec in server_tool_specs(agent)}
-    rows = {tool.name: tool for tool in agent.server_tools.all()}
+    rows = {tool.name: tool for tool in agent.server_tools}
     bindings = {}
     for ref in refs:
         spec = specs.get(ref["name"])

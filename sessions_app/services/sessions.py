@@ -8,7 +8,7 @@ import logging
 from django.db import transaction
 
 from agents.runtimes import runtime_for
-from hosting.errors import BadRequest, NotFound
+from hosting.service_errors import BadRequest, NotFound
 
 from .. import admission, events, host, idempotency_keys
 from ..models import Session, Turn

@@ -8,7 +8,7 @@ from django.db import transaction
 from agents.runtimes import runtime_for
 from agents.selectors import agent_definition
 from hosting import metrics
-from hosting.errors import BadRequest, Conflict, NotFound
+from hosting.service_errors import BadRequest, Conflict, NotFound
 
 from .. import admission, dispatch, events, idempotency_keys, turn_store
 from ..models import IdempotencyKey, Session, Turn, new_turn_id

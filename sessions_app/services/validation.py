@@ -3,19 +3,21 @@ server tools, client tools, images, stream mode, and answers to pending tool cal
 
 from __future__ import annotations
 
+from typing import Any
+
 from agents.models import Agent, AgentOption
-from agents.selectors import server_tool_specs
+from agents.selectors import AgentDefinition, option_rows, server_tool_specs
 from hosting import crypto
-from hosting.errors import BadRequest
+from hosting.service_errors import BadRequest
 
 from ..protocol import content_images, image_kind
 
 
-def _declared_options(agent: Agent) -> dict[str, AgentOption]:
-    return {option.name: option for option in agent.options.all()}
+def _declared_options(agent: Agent | AgentDefinition) -> dict[str, Any]:
+    return {option.name: option for option in option_rows(agent)}
 
 
-def merge_options(agent: Agent, stored: dict, incoming: dict) -> dict:
+def merge_options(agent: Agent | AgentDefinition, stored: dict, incoming: dict) -> dict:
     """Validate option values and merge them over the stored ones (secrets encrypted)."""
     declared = _declared_options(agent)
     unknown = sorted(set(incoming) - set(declared))
@@ -46,10 +48,10 @@ def merge_options(agent: Agent, stored: dict, incoming: dict) -> dict:
     return merged
 
 
-def effective_options(agent: Agent, stored: dict) -> dict[str, str]:
+def effective_options(agent: Agent | AgentDefinition, stored: dict) -> dict[str, str]:
     """Every declared option's value for the runtime: set value, else default (decrypted)."""
     values = {}
-    for option in agent.options.all():
+    for option in option_rows(agent):
         if option.name in stored:
             values[option.name] = crypto.decrypt(stored[option.name]) if option.is_secret else stored[option.name]
         else:
@@ -57,12 +59,12 @@ def effective_options(agent: Agent, stored: dict) -> dict[str, str]:
     return values
 
 
-def redacted_options(agent: Agent, stored: dict) -> dict[str, str]:
-    secret = {o.name for o in agent.options.all() if o.is_secret}
+def redacted_options(agent: Agent | AgentDefinition, stored: dict) -> dict[str, str]:
+    secret = {o.name for o in option_rows(agent) if o.is_secret}
     return {name: (crypto.REDACTED if name in secret else value) for name, value in stored.items()}
 
 
-def validate_server_tools(agent: Agent, refs: list[dict]) -> list[dict]:
+def validate_server_tools(agent: Agent | AgentDefinition, refs: list[dict]) -> list[dict]:
     exposed = {spec["name"] for spec in server_tool_specs(agent)}
     seen = set()
     for ref in refs:
@@ -77,7 +79,7 @@ def validate_server_tools(agent: Agent, refs: list[dict]) -> list[dict]:
     return [{"name": ref["name"], "trust": bool(ref.get("trust", False))} for ref in refs]
 
 
-def validate_client_tools(agent: Agent, tools: list[dict] | None, server_refs: list[dict] | None) -> None:
+def validate_client_tools(agent: Agent | AgentDefinition, tools: list[dict] | None, server_refs: list[dict] | None) -> None:
     if tools is None:
         return
     if tools and "application" not in agent.capabilities():
@@ -93,7 +95,7 @@ def validate_client_tools(agent: Agent, tools: list[dict] | None, server_refs: l
         )
 
 
-def check_images(agent: Agent, messages: list[dict]) -> None:
+def check_images(agent: Agent | AgentDefinition, messages: list[dict]) -> None:
     supported = agent.capabilities().get("image", {})
     for message in messages:
         content = message.get("content")
@@ -106,7 +108,7 @@ def check_images(agent: Agent, messages: list[dict]) -> None:
                 raise BadRequest(f"Agent '{agent.name}' does not accept {label} (capabilities.image.{kind}).")
 
 
-def check_stream(agent: Agent, mode: str) -> None:
+def check_stream(agent: Agent | AgentDefinition, mode: str) -> None:
     if mode not in agent.capabilities().get("stream", {}):
         modes = ", ".join(agent.capabilities().get("stream", {}))
         raise BadRequest(f"Agent '{agent.name}' does not support stream '{mode}'; it supports: {modes}.")

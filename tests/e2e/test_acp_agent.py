@@ -345,7 +345,7 @@ def test_sigkill_of_the_agent_mid_turn_gives_error_and_a_working_next_turn(pg, c
     session = session_of(client)
     pid = agent_pid(client, session)
     live = LiveTurn.turn(pg, session, "/slow 100 200", stream="delta")
-    live.wait_for(lambda l: any(e.event == "text_delta" for e in l.events), what="the first tick")
+    live.wait_for(lambda turn: any(e.event == "text_delta" for e in turn.events), what="the first tick")
     os.kill(pid, signal.SIGKILL)
     result = live.wait_end().result()
     assert result.events[-1].data["stopReason"] == "error"
@@ -358,7 +358,7 @@ def test_cancel_sends_session_cancel_and_the_turn_ends_cancelled(pg, client):
     session = session_of(client)
     pid = agent_pid(client, session)
     live = LiveTurn.turn(pg, session, "/slow 100 200", stream="delta")
-    live.wait_for(lambda l: len(deltas(l)) >= 2, what="two ticks")
+    live.wait_for(lambda turn: len(deltas(turn)) >= 2, what="two ticks")
     response = client.post(f"/v1/sessions/{session}/turns/{live.turn_id}/cancel")
     assert response.status_code == 202
     result = live.wait_end().result()

@@ -8,7 +8,13 @@ import hashlib
 import pytest
 
 from .turns import (
-    assert_sse_shape, checked_turn, deltas, new_session, same_turn_in_every_mode, text_reply, user,
+    assert_sse_shape,
+    checked_turn,
+    deltas,
+    new_session,
+    same_turn_in_every_mode,
+    text_reply,
+    user,
 )
 
 PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="

@@ -50,7 +50,7 @@ def read_all(sock: socket.socket, timeout: float = 30) -> bytes:
     try:
         while chunk := sock.recv(65536):
             out += chunk
-    except (ConnectionResetError, TimeoutError, socket.timeout):
+    except (ConnectionResetError, TimeoutError):
         pass
     return out
 

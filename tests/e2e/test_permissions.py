@@ -6,8 +6,17 @@ from __future__ import annotations
 import pytest
 
 from .turns import (
-    CLIENT_TOOL, MODES, checked_turn, new_session, permission, text_reply, tool_answer,
-    tool_command, tool_use_message, tools_command, user,
+    CLIENT_TOOL,
+    MODES,
+    checked_turn,
+    new_session,
+    permission,
+    text_reply,
+    tool_answer,
+    tool_command,
+    tool_use_message,
+    tools_command,
+    user,
 )
 
 

@@ -9,7 +9,6 @@ import json
 from .turns import checked_turn, new_session, text_reply, user
 
 
-
 def apply(stack, tmp_path, *, signature: str, enabled: bool = True) -> None:
     agent = {
         "name": "echo-live",

@@ -6,8 +6,19 @@ from __future__ import annotations
 import pytest
 
 from .turns import (
-    CLIENT_TOOL, MODES, assert_iso_utc_now, checked_turn, new_session, numbered_calls, permission, text_reply,
-    tool_answer, tool_command, tool_use_message, tools_command, user,
+    CLIENT_TOOL,
+    MODES,
+    assert_iso_utc_now,
+    checked_turn,
+    new_session,
+    numbered_calls,
+    permission,
+    text_reply,
+    tool_answer,
+    tool_command,
+    tool_use_message,
+    tools_command,
+    user,
 )
 
 

@@ -13,8 +13,8 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from sessions_app.models import Turn
 from sessions_app.idempotency_keys import fingerprint as request_fingerprint
+from sessions_app.models import Turn
 from sessions_app.services.recovery import _produced_before_loss
 
 

@@ -11,7 +11,7 @@ from django.http import HttpResponse
 from django.test import RequestFactory, override_settings
 
 from hosting import metrics
-from hosting.errors import BadRequest
+from hosting.service_errors import BadRequest
 from sessions_app.selectors import usage_query
 
 
@@ -60,7 +60,7 @@ def test_usage_query_reads_dates_as_utc_midnight_and_times_with_their_offset():
 def test_bad_usage_queries_raise_a_sentence(params):
     with pytest.raises(BadRequest) as refused:
         usage_query(params)
-    assert str(refused.value.detail).endswith(".")
+    assert refused.value.message.endswith(".")
 
 
 def test_the_metrics_view_compares_the_token_and_never_echoes_it(monkeypatch):

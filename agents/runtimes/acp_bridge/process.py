@@ -7,6 +7,10 @@ travel only there, never in argv. It is started through the sandbox launcher (se
 sandbox.py), in its own session and process group, as its isolation unit's uid when the
 service runs as root. Its stdout must carry ACP JSON-RPC only: any other line ends the
 connection.
+
+Longer than ~400 lines on purpose: one process's life is one state machine (start, serve,
+watch, stop) over shared state; the sandbox, limits, terminals and workspace rules it uses
+are modules of their own.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from sessions_app import events
+from hosting import process, redis_connections
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +30,12 @@ def _acp_session_key(session_id: str) -> str:
 
 
 def _redis():
-    backend = events.backend()
-    return backend if isinstance(backend, events.RedisEvents) else None
+    return redis_connections.connections()
 
 
 def worker_node() -> str:
     """This process's Celery node name ('' outside a Celery worker)."""
-    from hosting import celery
-
-    return getattr(celery, "worker_node", "") or ""
+    return process.worker_node
 
 
 class Holds:

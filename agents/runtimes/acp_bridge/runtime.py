@@ -10,6 +10,11 @@ enabled, trusted kind is allowed by the service, for a kind the session did not 
 rejected, and for an enabled untrusted kind the AAP turn ends with `tool_use` while the
 prompt waits; the next turn's `tool_permission` answers it and the prompt streams on there.
 See docs/acp-agents.md and the bridge contract.
+
+Longer than ~400 lines on purpose: one class holds the ACP bridge's shared state (agent
+processes by spec, ACP sessions by AAP session, holds) and every step of a turn reads it;
+the configuration, the ACP-to-AAP conversion, processes, sessions, terminals, routing and
+the sandbox are modules of their own beside it.
 """
 
 from __future__ import annotations
@@ -24,139 +29,24 @@ import os
 import signal
 import time
 import uuid
-from dataclasses import dataclass
 
 import acp
 from django.conf import settings
 
 from aap.messages import denial_text
 
-from .acp_bridge import limits, routing, sandbox, workspace
-from .acp_bridge.process import AgentProcess, ProcessSpec
-from .acp_bridge.session import AcpSession, CallState, PermissionWaiter, Prompt
-from .acp_bridge.terminals import Terminals
-from .base import AgentError, PermissionAnswer, Runtime, StopReason, ToolCall, TurnContext
+from ..base import AgentError, PermissionAnswer, Runtime, StopReason, ToolCall, TurnContext
+from . import limits, routing, sandbox, workspace
+from .config import CONFIG_SCHEMA, Config
+from .conversion import STOP_REASONS, TOOL_KINDS, data_uri, tool_input, tool_text
+from .process import AgentProcess, ProcessSpec
+from .session import AcpSession, CallState, PermissionWaiter, Prompt
+from .terminals import Terminals
 
-logger = logging.getLogger(__name__)
-
-TOOL_KINDS = {
-    "read": ("Read", "Read files or data."),
-    "edit": ("Edit", "Create or modify files or content."),
-    "delete": ("Delete", "Delete files or data."),
-    "move": ("Move", "Move or rename files."),
-    "search": ("Search", "Search for information."),
-    "execute": ("Execute", "Run commands or code."),
-    "think": ("Think", "Internal reasoning or planning."),
-    "fetch": ("Fetch", "Retrieve external data."),
-    "switch_mode": ("Switch mode", "Switch the agent's session mode."),
-    "other": ("Other", "Any other tool of the agent."),
-}
-
-STOP_REASONS = {
-    "end_turn": "end_turn",
-    "max_tokens": "max_tokens",
-    "max_turn_requests": "max_tokens",
-    "refusal": "refusal",
-    "cancelled": "end_turn",
-}
+logger = logging.getLogger("agents.runtimes.acp")
 
 CANCEL_GRACE_SECONDS = 10.0
 REAP_INTERVAL_SECONDS = 2.0
-
-_ENV_NAME = {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}
-_NAME_VALUES = {
-    "type": "array",
-    "items": {
-        "type": "object",
-        "required": ["name", "value"],
-        "properties": {"name": {"type": "string"}, "value": {"type": "string"}},
-        "additionalProperties": False,
-    },
-}
-
-
-@dataclass(frozen=True)
-class _Config:
-    """A validated runtime configuration with its defaults filled in."""
-
-    command: tuple[str, ...]
-    env: dict
-    options: dict
-    mcp_servers: list
-    terminal: bool
-    idle: float
-    permission_timeout: float
-    hang: float
-    start_timeout: float
-    terminal_timeout: float
-    terminal_output_bytes: int
-    max_file_bytes: int
-    isolation: str
-    egress: tuple[str, ...]
-    limits: limits.Limits
-    read_paths: tuple[str, ...]
-    unsafe: bool
-
-    @classmethod
-    def parse(cls, config: dict) -> _Config:
-        return cls(
-            command=tuple(config.get("command") or ()),
-            env=dict(config.get("env") or {}),
-            options=dict(config.get("options") or {}),
-            mcp_servers=list(config.get("mcpServers") or []),
-            terminal=bool(config.get("terminal", False)),
-            idle=float(config.get("idleSeconds", 600)),
-            permission_timeout=float(config.get("permissionTimeoutSeconds", 600)),
-            hang=float(config.get("hangTimeoutSeconds", 300)),
-            start_timeout=float(config.get("startTimeoutSeconds", 60)),
-            terminal_timeout=float(config.get("terminalTimeoutSeconds", 120)),
-            terminal_output_bytes=int(config.get("terminalOutputBytes", 64 * 1024)),
-            max_file_bytes=int(config.get("maxFileBytes", 1024 * 1024)),
-            isolation=config.get("isolation", "session"),
-            egress=tuple(config.get("egress") or ()),
-            limits=limits.Limits.parse(config.get("limits")),
-            read_paths=tuple(config.get("readPaths") or ()),
-            unsafe=bool(config.get("unsafeWithoutSandbox", False)),
-        )
-
-
-def _tool_input(raw) -> dict:
-    if isinstance(raw, dict):
-        return raw
-    return {} if raw is None else {"value": raw}
-
-
-def _tool_text(state: CallState, status: str | None) -> str:
-    """A tool call's ACP content as the text of its AAP tool_result, saying what happened: a
-    diff is an edit only when the call completed; a failed or unfinished call says so."""
-    parts = []
-    for item in state.content or []:
-        if item.type == "content":
-            block = item.content
-            if block.type == "text":
-                parts.append(block.text)
-            elif block.type == "resource" and hasattr(block.resource, "text"):
-                parts.append(block.resource.text)
-            else:
-                parts.append(f"[{block.type}]")
-        elif item.type == "diff":
-            parts.append(f"Edited {item.path}" if status == "completed" else f"Proposed edit to {item.path} (not applied)")
-        elif item.type == "terminal":
-            parts.append(f"[terminal {item.terminal_id}]")
-    text = "\n".join(parts)
-    if not text and state.raw_output is not None:
-        raw = state.raw_output
-        text = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False)
-    if status == "failed":
-        return f"Tool call failed: {text}" if text else "Tool call failed."
-    if status != "completed":
-        return f"The tool call ended without a result. {text}".strip()
-    return text or "Tool call completed."
-
-
-def _data_uri(url: str) -> tuple[str, str]:
-    head, _, data = url.partition(",")
-    return head[len("data:") :].split(";")[0], "".join(data.split())
 
 
 class AcpRuntime(Runtime):
@@ -169,59 +59,7 @@ class AcpRuntime(Runtime):
         "image": ("data",),
     }
     host_executes_server_tools = False
-    config_schema = {
-        "type": "object",
-        "required": ["command"],
-        "additionalProperties": False,
-        "properties": {
-            "command": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-            "env": {"type": "object", "propertyNames": _ENV_NAME, "additionalProperties": {"type": "string"}},
-            "options": {
-                "type": "object",
-                "additionalProperties": {
-                    "oneOf": [
-                        {"type": "object", "required": ["env"], "properties": {"env": _ENV_NAME},
-                         "additionalProperties": False},
-                        {"type": "object", "required": ["configOption"],
-                         "properties": {"configOption": {"type": "string", "minLength": 1}},
-                         "additionalProperties": False},
-                    ]
-                },
-            },
-            "mcpServers": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["name"],
-                    "properties": {
-                        "name": {"type": "string", "minLength": 1},
-                        "type": {"enum": ["stdio", "http", "sse"]},
-                        "command": {"type": "string"},
-                        "args": {"type": "array", "items": {"type": "string"}},
-                        "env": _NAME_VALUES,
-                        "url": {"type": "string"},
-                        "headers": _NAME_VALUES,
-                    },
-                    "additionalProperties": False,
-                },
-            },
-            "terminal": {"type": "boolean"},
-            "idleSeconds": {"type": "number", "exclusiveMinimum": 0},
-            "permissionTimeoutSeconds": {"type": "number", "exclusiveMinimum": 0},
-            "hangTimeoutSeconds": {"type": "number", "exclusiveMinimum": 0},
-            "startTimeoutSeconds": {"type": "number", "exclusiveMinimum": 0},
-            "terminalTimeoutSeconds": {"type": "number", "exclusiveMinimum": 0},
-            "terminalOutputBytes": {"type": "integer", "minimum": 1},
-            "maxFileBytes": {"type": "integer", "minimum": 1},
-            # The sandbox (docs/acp-agents.md): who shares a process and a uid, where it may connect,
-            # its limits, what else it may read, and the explicit opt-out.
-            "isolation": {"enum": ["session", "tenant"]},
-            "egress": sandbox.EGRESS_SCHEMA,
-            "limits": limits.LIMITS_SCHEMA,
-            "readPaths": {"type": "array", "items": {"type": "string", "pattern": "^/"}},
-            "unsafeWithoutSandbox": {"type": "boolean"},
-        },
-    }
+    config_schema = CONFIG_SCHEMA
 
     def __init__(self):
         self._processes: dict[str, AgentProcess] = {}  # by ProcessSpec.key
@@ -250,7 +88,7 @@ class AcpRuntime(Runtime):
 
     async def run(self, ctx: TurnContext) -> StopReason:
         self._start_background()
-        cfg = _Config.parse(ctx.config)
+        cfg = Config.parse(ctx.config)
         session = self._sessions.get(ctx.session_id)
         prompt = session.prompt if session is not None else None
         claimed: list[AgentProcess] = []  # in use by this turn: never reaped meanwhile
@@ -278,7 +116,7 @@ class AcpRuntime(Runtime):
                 process.users -= 1
                 process.touch()
 
-    async def _pump(self, ctx: TurnContext, session: AcpSession, prompt: Prompt, cfg: _Config) -> StopReason:
+    async def _pump(self, ctx: TurnContext, session: AcpSession, prompt: Prompt, cfg: Config) -> StopReason:
         prompt.active = True
         try:
             while True:
@@ -313,7 +151,7 @@ class AcpRuntime(Runtime):
             if update.raw_output is not None:
                 state.raw_output = update.raw_output
             if update.status in ("completed", "failed") and not state.resolved:
-                await self._result(ctx, state, _tool_text(state, update.status))
+                await self._result(ctx, state, tool_text(state, update.status))
         # plan, available_commands_update, current_mode_update, user_message_chunk and the
         # other session updates have no AAP event: they are skipped, never an error.
 
@@ -323,7 +161,7 @@ class AcpRuntime(Runtime):
         if state is None:
             # AAP ids are the service's own: ACP ids are only unique within one ACP session.
             state = CallState(kind=tool_call.kind or "other", aap_id="call_" + uuid.uuid4().hex,
-                              input=_tool_input(tool_call.raw_input))
+                              input=tool_input(tool_call.raw_input))
             prompt.calls[tool_call.tool_call_id] = state
             meta = {"acpToolCallId": tool_call.tool_call_id}
             if tool_call.title:
@@ -414,9 +252,9 @@ class AcpRuntime(Runtime):
         """Give every shown tool call a result, so no tool_use is left dangling in history."""
         for state in prompt.calls.values():
             if not state.resolved:
-                await self._result(ctx, state, _tool_text(state, None))
+                await self._result(ctx, state, tool_text(state, None))
 
-    async def _hung(self, session: AcpSession, cfg: _Config) -> str:
+    async def _hung(self, session: AcpSession, cfg: Config) -> str:
         reason = f"The agent sent nothing for {cfg.hang:g} seconds while working; its process was stopped."
         session.prompt = None
         await session.process.stop(reason, kill=True)
@@ -457,13 +295,13 @@ class AcpRuntime(Runtime):
 
     # --- sessions and processes -----------------------------------------------------------
 
-    def _spec(self, ctx: TurnContext, cfg: _Config) -> ProcessSpec:
+    def _spec(self, ctx: TurnContext, cfg: Config) -> ProcessSpec:
         try:
             return self._build_spec(ctx, cfg)
         except ValueError as exc:  # a tenant or session id that cannot name a directory
             raise AgentError(f"The session's workspace cannot be created ({type(exc).__name__}).") from None
 
-    def _build_spec(self, ctx: TurnContext, cfg: _Config) -> ProcessSpec:
+    def _build_spec(self, ctx: TurnContext, cfg: Config) -> ProcessSpec:
         option_env = {
             route["env"]: ctx.options[name]
             for name, route in cfg.options.items()
@@ -524,7 +362,7 @@ class AcpRuntime(Runtime):
                 claimed.append(self._claim(process))
             return process
 
-    async def _ready_session(self, ctx: TurnContext, cfg: _Config, claimed: list[AgentProcess]) -> AcpSession:
+    async def _ready_session(self, ctx: TurnContext, cfg: Config, claimed: list[AgentProcess]) -> AcpSession:
         process = await self._process_for(self._spec(ctx, cfg), claimed)
         session = self._sessions.get(ctx.session_id)
         if session is None or session.process is not process or not process.alive:
@@ -535,7 +373,7 @@ class AcpRuntime(Runtime):
         await self._apply_config_options(ctx, cfg, session)
         return session
 
-    async def _open_session(self, ctx: TurnContext, cfg: _Config, process: AgentProcess) -> AcpSession:
+    async def _open_session(self, ctx: TurnContext, cfg: Config, process: AgentProcess) -> AcpSession:
         try:
             path = workspace.ensure_dir(workspace.workspace_path(ctx.tenant, ctx.session_id))
             await process.own(path)
@@ -571,7 +409,7 @@ class AcpRuntime(Runtime):
         await routing.remember_acp_session(ctx.session_id, acp_id, self._acp_ids)
         return session
 
-    async def _apply_config_options(self, ctx: TurnContext, cfg: _Config, session: AcpSession) -> None:
+    async def _apply_config_options(self, ctx: TurnContext, cfg: Config, session: AcpSession) -> None:
         """Set options routed to `session/set_config_option` when their value changed."""
         for name, route in cfg.options.items():
             config_id = route.get("configOption")
@@ -619,7 +457,7 @@ class AcpRuntime(Runtime):
             if block.get("type") == "text":
                 blocks.append(acp.text_block(block["text"]))
             elif block.get("type") == "image" and images and block["url"].startswith("data:"):
-                mime, data = _data_uri(block["url"])
+                mime, data = data_uri(block["url"])
                 blocks.append(acp.image_block(data, mime))
             elif block.get("type") == "image":
                 blocks.append(acp.text_block("[an image was attached; this agent does not accept images]"))
