@@ -74,3 +74,10 @@ def assert_refusal(response, status: int) -> str:
     assert set(body) <= {"error", "details"}
     assert isinstance(body["error"], str) and body["error"].endswith((".", ")")), body
     return body["error"]
+
+
+@pytest.fixture(autouse=True)
+def _no_auth_cache(settings):
+    """Tests revoke tokens and expect the next request to see it at once (the cache and its
+    bound have their own test, tests/test_auth_cache.py)."""
+    settings.AAP_AUTH_CACHE_SECONDS = 0
