@@ -21,6 +21,7 @@ its session. A second delivery is harmless: a worker claims a turn once
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from functools import cache
@@ -86,11 +87,14 @@ def worker_stale_seconds() -> float:
     return max(5.0, 2 * settings.AAP_TURN_LEASE_SECONDS)
 
 
-def capacity() -> int:
+def capacity(counted: int | None = None) -> int:
     """How many turns the workers run at once: the threads of this process in the embedded
-    mode, else the concurrency of every worker alive according to its heartbeat."""
+    mode, else the concurrency of every worker alive according to its heartbeat (`counted`:
+    already read with the turns, `turn_store.room_for`)."""
     if not settings.REDIS_URL:
         return settings.AAP_EMBEDDED_WORKERS
+    if counted is not None:
+        return counted
     return turn_store.worker_slots(timezone.now() - timedelta(seconds=worker_stale_seconds()))
 
 
@@ -107,31 +111,55 @@ def _send(turn_id: str, node: str | None = None) -> bool:
     return True
 
 
-def has_free_slot(turn_id: str, tenant) -> bool:
-    """Inside turn_start's transaction, before the turn is stored: a worker slot is free, no
-    other turn waits for one and the tenant runs fewer turns than its limit. The fair order
-    could only choose this turn then, so it is stored already dispatched (committed with it)
-    and `dispatch(..., slot_taken=True)` sends it: one statement instead of the chooser's
+@dataclass(frozen=True)
+class Room:
+    """The worker slots as a just-stored turn finds them (`room_for`)."""
+
+    in_flight: int  # turns holding, or about to hold, a worker slot
+    waiting: int  # other turns waiting for one
+    tenant_in_flight: int  # of in_flight, this turn's tenant's
+    capacity: int  # slots of the workers alive
+    tenant_limit: int  # the tenant's running-turns limit (0: none)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.in_flight
+
+    @property
+    def takes_slot(self) -> bool:
+        """A slot is free, no other turn waits for one and the tenant is under its limit:
+        the fair order could only choose this turn."""
+        under_limit = not self.tenant_limit or self.tenant_in_flight < self.tenant_limit
+        return not self.waiting and self.free > 0 and under_limit
+
+
+def room_for(turn_id: str, tenant) -> Room:
+    """Inside turn_start's transaction, before the turn is stored, in one statement. When
+    `takes_slot`, the turn is stored already dispatched (committed with it) and
+    `dispatch` sends it on commit: one statement instead of the chooser's
     transaction (lock, counts, order, mark) for every turn below saturation. Without the
     chooser's lock two turns accepted at the same instant may both take the last free slot:
     the later waits on the broker for the next thread, and the fair order holds from the next
     slot on."""
     since = timezone.now() - timedelta(seconds=worker_stale_seconds())
     in_flight, waiting, tenant_in_flight, slots = turn_store.room_for(turn_id, tenant.pk, since)
-    free = (slots if settings.REDIS_URL else settings.AAP_EMBEDDED_WORKERS) - in_flight
     limit = getattr(tenant, "max_running_turns", None)
     if limit is None:
         limit = settings.AAP_TENANT_MAX_RUNNING_TURNS
-    return not waiting and free > 0 and not (limit and tenant_in_flight >= limit)
+    return Room(in_flight, waiting, tenant_in_flight, capacity(slots), limit or 0)
 
 
-def dispatch(turn_id: str, *, node: str | None = None, slot_taken: bool = False) -> bool:
+def dispatch(turn_id: str, *, node: str | None = None, room: Room | None = None) -> bool:
     """Hand a just-accepted turn over: one pinned to a worker (`node`) goes to it at once,
-    as does one stored with a free slot (`has_free_slot`); any other
-    takes its place among the turns waiting for a free slot."""
-    if slot_taken:
+    as does one stored with a free slot (`room.takes_slot`); any other takes its place among
+    the turns waiting for a free slot. When every slot was taken and other turns were
+    already waiting as it was stored, the next turn to end chooses among them (and this one
+    once committed): the chooser is not run for nothing on each turn accepted at saturation."""
+    if room is not None and room.takes_slot:
         return _send(turn_id)
     if node is None:
+        if room is not None and room.free <= 0 and room.waiting:
+            return False
         return turn_id in dispatch_next()
     try:
         turn_store.mark_dispatched([turn_id])
@@ -160,23 +188,27 @@ def choose_next() -> list[str]:
         if connection.vendor == "postgresql":
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_DISPATCH_LOCK])
-        in_flight, waiting = turn_store.slots_in_use()
-        free = capacity() - in_flight
+        since = timezone.now() - timedelta(seconds=worker_stale_seconds())
+        in_flight, waiting, _, slots = turn_store.room_for("", 0, since)
+        free = capacity(slots) - in_flight
         if free <= 0 or not waiting:
             return []
         order = turn_store.fair_order(free, settings.AAP_TENANT_MAX_RUNNING_TURNS)
         return turn_store.mark_dispatched([turn_id for turn_id, may_start in order if may_start])
 
 
-def queued_place(turn_id: str) -> dict | None:
+def queued_place(turn_id: str, room: Room | None = None) -> dict | None:
     """`{"position": n}` while the turn waits for a worker slot (n = 1: it takes the next one
     that frees, or the next its tenant may take), None once it is dispatched, running or
     over. Also right after the turn is stored, inside its transaction, for
-    `turn_start._meta.queued`."""
-    in_flight, waiting = turn_store.slots_in_use()
-    if not waiting:
-        return None
-    free = max(0, capacity() - in_flight)
+    `turn_start._meta.queued` (with the `room` it found before it was stored)."""
+    if room is not None:
+        in_flight, waiting, free = room.in_flight, room.waiting + 1, max(0, room.free)
+    else:
+        in_flight, waiting = turn_store.slots_in_use()
+        if not waiting:
+            return None
+        free = max(0, capacity() - in_flight)
     order = turn_store.fair_order(waiting, settings.AAP_TENANT_MAX_RUNNING_TURNS)
     index = next((i for i, (waiting_id, _) in enumerate(order) if waiting_id == turn_id), None)
     if index is None:

@@ -77,7 +77,7 @@ def test_a_turn_waiting_for_a_full_pool_knows_its_place(monkeypatch):
     _turns(busy, 4, running=True)
     backlog = _turns(busy, 5)
     single = _turns(quiet, 1)
-    monkeypatch.setattr(dispatch, "capacity", lambda: turn_store.slots_in_use()[0])  # every slot taken
+    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: turn_store.slots_in_use()[0])  # every slot taken
     places = {turn_id: dispatch.queued_place(turn_id)["position"] for turn_id in backlog + single}
     assert places[single[0]] < min(places[t] for t in backlog)
     assert [places[t] for t in backlog] == sorted(places[t] for t in backlog)
@@ -85,7 +85,7 @@ def test_a_turn_waiting_for_a_full_pool_knows_its_place(monkeypatch):
 
     # With a slot free for every waiting turn, none of them is queued.
     waiting = turn_store.slots_in_use()[1]
-    monkeypatch.setattr(dispatch, "capacity", lambda: turn_store.slots_in_use()[0] + waiting)
+    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: turn_store.slots_in_use()[0] + waiting)
     assert dispatch.queued_place(single[0]) is None
 
 
@@ -100,7 +100,7 @@ def test_choosing_marks_turns_dispatched_fairly(monkeypatch):
     # One slot free beyond every other waiting turn in the database (each takes its own).
     others = [t for t, _ in turn_store.fair_order(100_000, 0) if t not in backlog + single]
     in_flight = turn_store.slots_in_use()[0]
-    monkeypatch.setattr(dispatch, "capacity", lambda: in_flight + len(others) + 1)
+    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: in_flight + len(others) + 1)
     chosen = dispatch.choose_next()
     assert single[0] in chosen and not set(backlog) & set(chosen)
     assert Turn.objects.get(id=single[0]).dispatched_at is not None

@@ -82,6 +82,21 @@ def test_a_compaction_is_noticed_and_the_history_read_again(session_pk):
     assert incoming == [{"role": "user", "content": "question 6"}]
 
 
+def test_a_window_that_drops_the_oldest_rows_is_followed_without_reading_again(session_pk):
+    kept, session = KeptHistories(), Session_(session_pk)
+    for number in range(1, 6):
+        turn_id = session.start_turn(f"question {number}")
+        rows, _ = kept.load(session_pk, turn_id)
+        session.answer(f"answer {number}")
+    rows, _ = kept.load(session_pk, turn_id)
+    apply_compaction(session_pk, session.seq, rows, Compaction(keep_last=4, summary=[]))
+    turn_id = session.start_turn("question 6")
+    rows, incoming = kept.load(session_pk, turn_id)
+    assert kept.parsed_last == 1  # only the new question was read
+    assert rows == KeptHistories().load(session_pk, turn_id)[0]
+    assert len(rows) == 5 and incoming == [{"role": "user", "content": "question 6"}]
+
+
 def test_planning_the_same_turn_again_still_finds_its_messages(session_pk):
     kept, session = KeptHistories(), Session_(session_pk)
     turn_id = session.start_turn("question 1")

@@ -1,10 +1,12 @@
 """A worker's copy of each recent session's compacted history, parsed, so a turn reads and
 parses only the rows its session gained since this process last ran one of its turns.
 
-A kept copy is used only when the rows it was built from are still there unchanged: the
-same number of compacted rows at or before its last position, with the same highest row
-id (history only grows at its end; compaction deletes rows at its start and inserts the
-summary there, always with new, higher ids). Otherwise the whole history is read again.
+A kept copy is used only when the rows it was built from are still there: the same highest
+row id among the compacted rows at or before its last position, and no more of them
+(history only grows at its end; compaction deletes rows at its start and inserts any
+summary there, always with new, higher ids). Fewer rows with the same highest id mean a
+window dropped the oldest: the kept copy's last ones are what is left. Otherwise the whole
+history is read again.
 The copy is only ever read: each turn gets new lists.
 """
 
@@ -42,8 +44,10 @@ class KeptHistories:
         rows: list[tuple[int, dict, str | None]] = []
         if kept is not None:
             count, top, new = turn_store.compacted_history_after(session_pk, kept.last_seq)
-            if count == len(kept.rows) and top == kept.top_id:
-                rows = list(kept.rows)
+            if top == kept.top_id and count <= len(kept.rows):
+                # Unchanged, or compaction only dropped rows at the start (a window): the
+                # rows left are the kept copy's last `count`. A summary inserted moves `top`.
+                rows = list(kept.rows[len(kept.rows) - count:]) if count else []
             else:
                 kept = None
         if kept is None:

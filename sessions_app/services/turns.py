@@ -83,8 +83,8 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         turn = Turn(id=new_turn_id(), session_id=session.pk, stream=mode, permissions=permissions)
         # Permission answers go to the worker holding the prompt that waits on them (ACP).
         node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
-        slot_taken = node is None and dispatch.has_free_slot(turn.id, tenant)
-        turn_store.insert_turn(turn.id, session.pk, mode, permissions, dispatched=slot_taken)
+        room = None if node else dispatch.room_for(turn.id, tenant)
+        turn_store.insert_turn(turn.id, session.pk, mode, permissions, dispatched=bool(room and room.takes_slot))
         incoming = tool_messages if session.pending_calls else messages
         turn_store.insert_messages(session.pk, session.message_seq + 1, incoming, turn_id=turn.id)
         turn_store.update_session(
@@ -94,11 +94,12 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         # `turn_start` (event 1) before the commit: a client sees its turn begin at once, and
         # with Redis unreachable this raises, the transaction rolls back and nothing is stored.
         start_meta = {"turnId": turn.id}
-        queued = None if node or slot_taken else dispatch.queued_place(turn.id)  # every worker slot is taken
+        # Every worker slot is taken, or others wait: where the turn stands among them.
+        queued = None if room is None or room.takes_slot else dispatch.queued_place(turn.id, room)
         if queued:
             start_meta["queued"] = queued
         events.backend().publish_sync(turn.id, 1, {"event": "turn_start", "_meta": start_meta})
-        transaction.on_commit(lambda: dispatch.dispatch(turn.id, node=node, slot_taken=slot_taken))
+        transaction.on_commit(lambda: dispatch.dispatch(turn.id, node=node, room=room))
     metrics.turn_started(agent=agent.name, tenant=tenant.name, stream=mode)
     return turn
 
