@@ -29,7 +29,7 @@ import httpx
 
 from .messages import fold, tool_uses
 from .sse import SSEParser
-from .types import PROTOCOL_VERSION, Event
+from .types import PROTOCOL_VERSION, Event, QueuedPlace
 
 DEFAULT_TIMEOUT = httpx.Timeout(60.0, read=300.0)
 
@@ -128,7 +128,7 @@ class _StreamBase:
         return self._parser.last_event_id
 
     @property
-    def queued(self) -> dict | None:
+    def queued(self) -> QueuedPlace | None:
         """`{"position": n}` while the turn waits for a worker (from `turn_start` and the
         `: queued` comments that follow it); None once it runs or if it never waited."""
         return self._parser.queued

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from .messages import dumps
-from .types import Event
+from .types import Event, QueuedPlace
 
 SSE_PING = b": ping\n\n"
 _EOL = re.compile(rb"\r\n|\r|\n")
@@ -38,7 +38,7 @@ class SSEParser:
         self._id: str | None = None
         self.last_event_id: str | None = None
         self.pings = 0
-        self.queued: dict | None = None
+        self.queued: QueuedPlace | None = None
         self.retry_ms: int | None = None
 
     def feed(self, chunk: bytes) -> list[Event]:
@@ -72,10 +72,11 @@ class SSEParser:
             self.pings += 1
             if line.startswith(": queued "):
                 try:
-                    place = json.loads(line[len(": queued "):])
+                    place = json.loads(line[len(": queued ") :])
                 except ValueError:
                     place = None
-                self.queued = place if isinstance(place, dict) else None
+                position = place.get("position") if isinstance(place, dict) else None
+                self.queued = QueuedPlace(position=position) if isinstance(position, int) else None
             return None
         name, _, value = line.partition(":")
         value = value[1:] if value.startswith(" ") else value

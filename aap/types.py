@@ -139,7 +139,6 @@ class QueuedPlace(TypedDict):
     position: int
 
 
-
 @dataclass
 class Event:
     """One AAP event: `event` is its name, `data` its JSON (without the name), `id` the SSE id
@@ -164,7 +163,9 @@ class Event:
         if self.event != "turn_start":
             return None
         place = self.meta.get("queued")
-        return place if isinstance(place, dict) else None
+        if isinstance(place, dict) and isinstance(place.get("position"), int):
+            return QueuedPlace(position=place["position"])
+        return None
 
     @property
     def text(self) -> str:

@@ -32,12 +32,17 @@ class AgentAdmin(admin.ModelAdmin):
     fieldsets = (
         (None, {"fields": ("name", "title", "version", "description", "enabled")}),
         ("Runtime", {"fields": ("runtime_kind", "runtime_config")}),
-        ("Capabilities", {"fields": (
-            ("client_tools", "image_http", "image_data"),
-            ("history_full", "history_compacted"),
-            ("stream_delta", "stream_message", "stream_none"),
-            "capabilities_preview",
-        )}),
+        (
+            "Capabilities",
+            {
+                "fields": (
+                    ("client_tools", "image_http", "image_data"),
+                    ("history_full", "history_compacted"),
+                    ("stream_delta", "stream_message", "stream_none"),
+                    "capabilities_preview",
+                )
+            },
+        ),
         ("Access", {"fields": ("tenants",)}),
         (None, {"fields": ("created_at", "updated_at")}),
     )

@@ -25,13 +25,23 @@ from .validation import model_source_error
 # Shown beside the runtime configuration: a working starting point per kind.
 CONFIG_EXAMPLES = {
     "echo": {"window": 20},
-    "openai": {"model": "gpt-4o-mini", "baseUrl": "https://api.openai.com/v1",
-               "systemPrompt": "You are a helpful assistant.", "timeoutSeconds": 120},
-    "acp": {"command": ["agentao", "--acp"], "env": {"LLM_PROVIDER": "openai"},
-            "options": {"model": {"env": "OPENAI_MODEL"}, "apiKey": {"env": "OPENAI_API_KEY"}}},
+    "openai": {
+        "model": "gpt-4o-mini",
+        "baseUrl": "https://api.openai.com/v1",
+        "systemPrompt": "You are a helpful assistant.",
+        "timeoutSeconds": 120,
+    },
+    "acp": {
+        "command": ["agentao", "--acp"],
+        "env": {"LLM_PROVIDER": "openai"},
+        "options": {"model": {"env": "OPENAI_MODEL"}, "apiKey": {"env": "OPENAI_API_KEY"}},
+    },
 }
-TOOL_PARAMETERS_EXAMPLE = {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-                           "required": ["a", "b"]}
+TOOL_PARAMETERS_EXAMPLE = {
+    "type": "object",
+    "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+    "required": ["a", "b"],
+}
 MONOSPACE = {"rows": 6, "cols": 80, "style": "font-family: monospace", "spellcheck": "false"}
 
 
@@ -73,14 +83,15 @@ def runtime_config_help() -> str:
         rows.append((kind, _compact(CONFIG_EXAMPLES.get(kind, {})), json.dumps(schema, indent=2)))
     items = format_html_join(
         "",
-        "<details class=\"runtime-help\" data-kind=\"{}\"><summary><b>{}</b> — example: <code>{}</code></summary>"
-        "<pre style=\"max-height: 20em; overflow: auto\">{}</pre></details>",
+        '<details class="runtime-help" data-kind="{}"><summary><b>{}</b> — example: <code>{}</code></summary>'
+        '<pre style="max-height: 20em; overflow: auto">{}</pre></details>',
         ((kind, kind, example, schema) for kind, example, schema in rows),
     )
     return format_html(
         "A JSON object, validated against the schema of the runtime kind. "
-        "An <b>openai</b> agent needs a model: <code>\"model\"</code> here or an option named <i>model</i>."
-        "{}", items,
+        'An <b>openai</b> agent needs a model: <code>"model"</code> here or an option named <i>model</i>.'
+        "{}",
+        items,
     )
 
 
@@ -104,18 +115,22 @@ class AgentOptionForm(forms.ModelForm):
     """One option, with the inputs its type needs (the admin's script hides the others)."""
 
     choices = forms.CharField(
-        required=False, widget=forms.Textarea(attrs={"rows": 3, "cols": 30}),
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 3, "cols": 30}),
         help_text="Select only: the allowed values, one per line.",
     )
     default = forms.CharField(
-        required=False, widget=forms.TextInput(attrs={"size": 40}),
+        required=False,
+        widget=forms.TextInput(attrs={"size": 40}),
         help_text="Text and select: the value used when the application sets none (select: one of the choices).",
     )
     secret_value = forms.CharField(
-        required=False, label="secret default", strip=False,
+        required=False,
+        label="secret default",
+        strip=False,
         widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password", "size": 40}),
         help_text="Secret only: stored encrypted and never shown again; leave blank to keep the stored one. "
-                  "After a validation error, type it again.",
+        "After a validation error, type it again.",
     )
     clear_secret = forms.BooleanField(required=False, label="clear the stored secret")
 
@@ -187,12 +202,16 @@ class AgentOptionFormSet(forms.BaseInlineFormSet):
 
 class ServerToolForm(forms.ModelForm):
     parameters = ExplainedJSONField(
-        required=False, example=TOOL_PARAMETERS_EXAMPLE,
-        help_text=format_html("A JSON Schema of the arguments; empty: the implementation's own. Example: <code>{}</code>",
-                              _compact(TOOL_PARAMETERS_EXAMPLE)),
+        required=False,
+        example=TOOL_PARAMETERS_EXAMPLE,
+        help_text=format_html(
+            "A JSON Schema of the arguments; empty: the implementation's own. Example: <code>{}</code>",
+            _compact(TOOL_PARAMETERS_EXAMPLE),
+        ),
     )
     settings = ExplainedJSONField(
-        required=False, example={"maxChars": 20000, "timeoutSeconds": 10},
+        required=False,
+        example={"maxChars": 20000, "timeoutSeconds": 10},
         help_text="A JSON object of settings for the host implementation; usually {}.",
     )
 

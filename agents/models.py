@@ -19,7 +19,9 @@ SEMVER_RE = re.compile(
 )
 TOOL_NAME_RE = r"^[A-Za-z0-9_-]{1,64}$"
 tool_name_validator = RegexValidator(TOOL_NAME_RE, "Use 1 to 64 letters, digits, '_' or '-'.")
-option_name_validator = RegexValidator(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$", "Start with a letter; use letters, digits, '_', '.', '-'.")
+option_name_validator = RegexValidator(
+    r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$", "Start with a letter; use letters, digits, '_', '.', '-'."
+)
 
 
 def validate_semver(value: str) -> None:
@@ -29,7 +31,7 @@ def validate_semver(value: str) -> None:
 
 def validate_json_schema(value) -> None:
     if not isinstance(value, dict):
-        raise ValidationError("Parameters must be a JSON Schema object, e.g. {\"type\": \"object\"}.")
+        raise ValidationError('Parameters must be a JSON Schema object, e.g. {"type": "object"}.')
     try:
         jsonschema.validators.validator_for(value).check_schema(value)
     except jsonschema.SchemaError as exc:
@@ -39,11 +41,7 @@ def validate_json_schema(value) -> None:
 class AgentQuerySet(models.QuerySet):
     def for_tenant(self, tenant):
         """Enabled agents this tenant may use (an agent with no tenants is open to all)."""
-        return (
-            self.filter(enabled=True)
-            .filter(models.Q(tenants__isnull=True) | models.Q(tenants=tenant))
-            .distinct()
-        )
+        return self.filter(enabled=True).filter(models.Q(tenants__isnull=True) | models.Q(tenants=tenant)).distinct()
 
 
 class Agent(models.Model):
@@ -132,8 +130,10 @@ class AgentOption(models.Model):
 
     def clean(self):
         if self.type == self.SELECT:
-            if not isinstance(self.choices, list) or not self.choices or not all(
-                isinstance(c, str) for c in self.choices
+            if (
+                not isinstance(self.choices, list)
+                or not self.choices
+                or not all(isinstance(c, str) for c in self.choices)
             ):
                 raise ValidationError({"choices": "A select option needs a list of string choices."})
             if self.default not in self.choices:

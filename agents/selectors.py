@@ -159,9 +159,7 @@ def agent_definition(agent_id: int, revision) -> AgentDefinition:
     cached = _definitions.get(agent_id)
     if cached is not None and cached[0] == _revision_key(revision):
         return cached[1]
-    agent = (
-        Agent.objects.prefetch_related("options", "server_tools").filter(pk=agent_id).first()
-    )
+    agent = Agent.objects.prefetch_related("options", "server_tools").filter(pk=agent_id).first()
     if agent is None:
         raise Agent.DoesNotExist(f"agent {agent_id}")
     definition = AgentDefinition.of(agent)
@@ -177,4 +175,3 @@ def _revision_key(value):
     if isinstance(value, str):
         return datetime.fromisoformat(value).replace(tzinfo=None)
     return value
-

@@ -167,7 +167,7 @@ def _apply_entry(entry: dict) -> tuple[Agent, bool]:
 def agents_apply(entries: list[dict], *, prune: bool = False) -> dict:
     """Create or update every agent of the file (all or nothing); `prune` removes the others."""
     if not isinstance(entries, list):
-        raise AgentFileError("The file must hold a list of agents (or {\"agents\": [...]}).")
+        raise AgentFileError('The file must hold a list of agents (or {"agents": [...]}).')
     names = [e.get("name") for e in entries if isinstance(e, dict)]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
@@ -297,12 +297,24 @@ ECHO_AGENT = {
         {"type": "secret", "name": "apiKey", "title": "API key", "default": crypto.REDACTED},
     ],
     "tools": [
-        {"name": "clock", "title": "Clock", "description": "Returns the current UTC time in ISO 8601.",
-         "parameters": {"type": "object", "properties": {}}, "implementation": "clock"},
-        {"name": "add", "title": "Add", "description": "Adds two numbers.",
-         "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-                        "required": ["a", "b"]},
-         "implementation": "add"},
+        {
+            "name": "clock",
+            "title": "Clock",
+            "description": "Returns the current UTC time in ISO 8601.",
+            "parameters": {"type": "object", "properties": {}},
+            "implementation": "clock",
+        },
+        {
+            "name": "add",
+            "title": "Add",
+            "description": "Adds two numbers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                "required": ["a", "b"],
+            },
+            "implementation": "add",
+        },
     ],
     "capabilities": {
         "history": {"compacted": {}, "full": {}},
@@ -334,17 +346,34 @@ def assistant_agent_entry() -> dict:
             },
         },
         "options": [
-            {"type": "text", "name": "model", "title": "Model", "default": os.environ.get("OPENAI_MODEL", "gpt-4o-mini")},
+            {
+                "type": "text",
+                "name": "model",
+                "title": "Model",
+                "default": os.environ.get("OPENAI_MODEL", "gpt-4o-mini"),
+            },
             {"type": "secret", "name": "apiKey", "title": "API key", "defaultEnv": "OPENAI_API_KEY"},
-            {"type": "text", "name": "baseUrl", "title": "Base URL",
-             "default": os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1"},
+            {
+                "type": "text",
+                "name": "baseUrl",
+                "title": "Base URL",
+                "default": os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1",
+            },
         ],
         "tools": [
-            {"name": "clock", "title": "Clock", "description": "Returns the current UTC time in ISO 8601.",
-             "implementation": "clock"},
+            {
+                "name": "clock",
+                "title": "Clock",
+                "description": "Returns the current UTC time in ISO 8601.",
+                "implementation": "clock",
+            },
             {"name": "add", "title": "Add", "description": "Adds two numbers a and b.", "implementation": "add"},
-            {"name": "http_fetch", "title": "Fetch a web page",
-             "description": "GETs a public http(s) URL and returns its readable text.", "implementation": "http_fetch"},
+            {
+                "name": "http_fetch",
+                "title": "Fetch a web page",
+                "description": "GETs a public http(s) URL and returns its readable text.",
+                "implementation": "http_fetch",
+            },
         ],
         "capabilities": {
             "history": {"compacted": {}, "full": {}},

@@ -18,6 +18,6 @@ def model_source_error(runtime_kind: str, runtime_config, options: list[dict]) -
     if any(isinstance(option, dict) and option.get("name") == "model" for option in options):
         return None
     return (
-        "An openai agent needs a model to call: put \"model\" in the runtime configuration "
-        "(e.g. {\"model\": \"gpt-4o-mini\"}) or add a text option named 'model'."
+        'An openai agent needs a model to call: put "model" in the runtime configuration '
+        '(e.g. {"model": "gpt-4o-mini"}) or add a text option named \'model\'.'
     )

@@ -86,8 +86,15 @@ async def run(bench: Bench, only: list[str], started: float, budget: float) -> b
             except Exception as exc:
                 healthy = False
                 log(traceback.format_exc())
-                bench.rows.append(Row(key, f"scenario {key} ({title})", "", errors=1,
-                                      skipped=f"the harness crashed: {type(exc).__name__}: {exc}"[:300]))
+                bench.rows.append(
+                    Row(
+                        key,
+                        f"scenario {key} ({title})",
+                        "",
+                        errors=1,
+                        skipped=f"the harness crashed: {type(exc).__name__}: {exc}"[:300],
+                    )
+                )
     finally:
         await bench.api.close()
     return healthy
@@ -98,8 +105,11 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny runs that check the harness")
     parser.add_argument("--only", default="", help="comma-separated scenario numbers (default: all)")
     args = parser.parse_args()
-    profile = SMOKE if args.smoke or _truthy(os.environ.get("BENCH_SMOKE")) else (
-        FULL if _truthy(os.environ.get("FULL")) else QUICK)
+    profile = (
+        SMOKE
+        if args.smoke or _truthy(os.environ.get("BENCH_SMOKE"))
+        else (FULL if _truthy(os.environ.get("FULL")) else QUICK)
+    )
     only = [s.strip() for s in args.only.split(",") if s.strip()] or ORDER
     budget = QUICK_BUDGET_SECONDS if profile is not FULL else 3 * 3600.0
     started = time.monotonic()
@@ -122,8 +132,10 @@ def main() -> int:
         stack.prepare(ROOT / "bench" / "agents.yaml")
         stack.wait_workers()
         stack.wait_web()
-        log(f"==> stack up in {time.monotonic() - started:.0f} s: Daphne pid {stack.web.pid} on {stack.base_url}, "
-            f"{profile.workers} Celery workers × {profile.worker_concurrency} threads")
+        log(
+            f"==> stack up in {time.monotonic() - started:.0f} s: Daphne pid {stack.web.pid} on {stack.base_url}, "
+            f"{profile.workers} Celery workers × {profile.worker_concurrency} threads"
+        )
         healthy = asyncio.run(run(bench, only, started, budget))
     except Exception:
         log(traceback.format_exc())
@@ -139,8 +151,7 @@ def main() -> int:
         "elapsed_seconds": round(elapsed, 1),
         "machine": machine(),
         "services": service_versions(stack.database_url, stack.redis_url),
-        "config": {"profile": asdict(profile),
-                   "fd_limit": fd_limit},
+        "config": {"profile": asdict(profile), "fd_limit": fd_limit},
         "details": bench.details,
         "rows": rows,
     }

@@ -84,6 +84,8 @@ def describe(cost: dict[str, float]) -> str:
     """`CPU/op ms: service 15.2 = Daphne 4.6 + workers 8.7 + PostgreSQL 1.6 + Redis* 0.3; fake 0.5`."""
     if not cost:
         return "CPU per operation: nothing measured"
-    return (f"CPU ms/op: service {cost['service']:.2f} = Daphne {cost['daphne']:.2f} + workers "
-            f"{cost['workers']:.2f} + PostgreSQL {cost['postgres']:.2f} + Redis {cost['redis']:.2f} "
-            f"(whole server); fake model {cost['fake model']:.2f}")
+    return (
+        f"CPU ms/op: service {cost['service']:.2f} = Daphne {cost['daphne']:.2f} + workers "
+        f"{cost['workers']:.2f} + PostgreSQL {cost['postgres']:.2f} + Redis {cost['redis']:.2f} "
+        f"(whole server); fake model {cost['fake model']:.2f}"
+    )

@@ -35,11 +35,15 @@ async def fair_share(bench) -> None:
         bench.add(Row("8", "fair share: B's first content with A saturating", "ms", skipped=why))
         return
     tokens = {name: bench.stack.manage("create_tenant", name).strip().splitlines()[-1] for name in (NOISY, QUIET)}
-    limits = {"tenants": [
-        {"name": NOISY, "limits": {"maxRunningTurns": noisy_running, "maxQueuedTurns": BACKLOG * slots,
-                                   "turnsPerMinute": 0}},
-        {"name": QUIET, "limits": {"maxRunningTurns": 0, "turnsPerMinute": 0}},
-    ]}
+    limits = {
+        "tenants": [
+            {
+                "name": NOISY,
+                "limits": {"maxRunningTurns": noisy_running, "maxQueuedTurns": BACKLOG * slots, "turnsPerMinute": 0},
+            },
+            {"name": QUIET, "limits": {"maxRunningTurns": 0, "turnsPerMinute": 0}},
+        ]
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".json") as handle:
         json.dump(limits, handle)
         handle.flush()
@@ -51,8 +55,9 @@ async def fair_share(bench) -> None:
         return next(e.at - sent for e in events if e.event == "text_delta")
 
     try:
-        alone = await closed_loop(1, p.fair_seconds, first_content, setup=lambda i: quiet.create_session(),
-                                  warmup=p.warmup)
+        alone = await closed_loop(
+            1, p.fair_seconds, first_content, setup=lambda i: quiet.create_session(), warmup=p.warmup
+        )
         outcomes: Counter = Counter()
         stop = asyncio.Event()
 
@@ -65,12 +70,15 @@ async def fair_share(bench) -> None:
                         outcomes["429"] += 1
                         await asyncio.sleep(min(float(response.headers.get("Retry-After", "1")), 2.0))
                         continue
-                    outcomes[(await response.json()).get("stopReason") if response.status == 200 else str(response.status)] += 1
+                    outcomes[
+                        (await response.json()).get("stopReason") if response.status == 200 else str(response.status)
+                    ] += 1
 
         clients = [asyncio.create_task(saturate(i)) for i in range(4 * slots)]
         await asyncio.sleep(2.0)  # A fills every thread and its backlog
-        loaded = await closed_loop(1, p.fair_seconds, first_content, setup=lambda i: quiet.create_session(),
-                                   warmup=p.warmup)
+        loaded = await closed_loop(
+            1, p.fair_seconds, first_content, setup=lambda i: quiet.create_session(), warmup=p.warmup
+        )
         stop.set()
         await asyncio.gather(*clients, return_exceptions=True)
     finally:
@@ -80,12 +88,25 @@ async def fair_share(bench) -> None:
     base, under = percentiles(alone.values), percentiles(loaded.values)
     bench.add(latency_row("8", "fair share: B's time to first content, alone", alone.values, errors=alone.errors))
     met = bool(base and under) and under["p50"] <= 2 * base["p50"] and under["p99"] <= 2 * base["p99"]
-    bench.add(latency_row(
-        "8", f"fair share: B's time to first content, A saturating ({4 * slots} clients, {slots} threads)",
-        loaded.values, errors=loaded.errors, target="p50, p99 ≤ 2× alone", met=met if base and under else None,
-    ))
+    bench.add(
+        latency_row(
+            "8",
+            f"fair share: B's time to first content, A saturating ({4 * slots} clients, {slots} threads)",
+            loaded.values,
+            errors=loaded.errors,
+            target="p50, p99 ≤ 2× alone",
+            met=met if base and under else None,
+        )
+    )
     refused, failed = outcomes["429"], sum(n for k, n in outcomes.items() if k not in ("429", "end_turn"))
-    bench.add(Row("8", f"fair share: A's turns ({noisy_running} running + {BACKLOG * slots} waiting at most)", "turns",
-                  value=outcomes["end_turn"], errors=failed,
-                  error_samples=[k for k in outcomes if k not in ("429", "end_turn")],
-                  note=f"{outcomes['end_turn']} ended end_turn, {refused} refused with 429, {failed} failed"))
+    bench.add(
+        Row(
+            "8",
+            f"fair share: A's turns ({noisy_running} running + {BACKLOG * slots} waiting at most)",
+            "turns",
+            value=outcomes["end_turn"],
+            errors=failed,
+            error_samples=[k for k in outcomes if k not in ("429", "end_turn")],
+            note=f"{outcomes['end_turn']} ended end_turn, {refused} refused with 429, {failed} failed",
+        )
+    )

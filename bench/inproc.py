@@ -48,8 +48,14 @@ def _timed(run_one, seconds: float) -> dict:
         t1 = time.perf_counter()
         if t1 >= begin:
             latencies.append(t1 - t0)
-    return {"turns": len(latencies), "seconds": seconds, "rate": len(latencies) / seconds,
-            "latency": percentiles(latencies), "errors": errors, "errorSamples": samples}
+    return {
+        "turns": len(latencies),
+        "seconds": seconds,
+        "rate": len(latencies) / seconds,
+        "latency": percentiles(latencies),
+        "errors": errors,
+        "errorSamples": samples,
+    }
 
 
 def run_host(seconds: float) -> dict:
@@ -64,16 +70,29 @@ def run_host(seconds: float) -> dict:
         turn_id = uuid.uuid4().hex
         incoming = [{"role": "user", "content": "hello world"}]
         plan = host.TurnPlan(
-            turn_id=turn_id, session_id="bench", tenant="demo", agent_name="echo", runtime_kind="echo",
-            config={"window": 20}, options={"style": "plain", "signature": "", "apiKey": ""},
-            server_tools={}, client_tools={}, history=history + incoming, incoming=incoming, permissions=[],
-            stream="none", capabilities={}, options_set=frozenset(),
+            turn_id=turn_id,
+            session_id="bench",
+            tenant="demo",
+            agent_name="echo",
+            runtime_kind="echo",
+            config={"window": 20},
+            options={"style": "plain", "signature": "", "apiKey": ""},
+            server_tools={},
+            client_tools={},
+            history=history + incoming,
+            incoming=incoming,
+            permissions=[],
+            stream="none",
+            capabilities={},
+            options_set=frozenset(),
         )
         outcome = loop.run_until_complete(host.execute(plan))
         if outcome.stop_reason != "end_turn":
             raise RuntimeError(f"stop reason {outcome.stop_reason}")
         # What services.endings.publish_stop adds after persistence.
-        backend.publish_sync(turn_id, outcome.last_seq + 1, {"event": "turn_stop", "stopReason": "end_turn"}, final=True)
+        backend.publish_sync(
+            turn_id, outcome.last_seq + 1, {"event": "turn_stop", "stopReason": "end_turn"}, final=True
+        )
 
     assert EchoRuntime.kind == "echo"
     try:
@@ -94,7 +113,8 @@ def run_services(seconds: float) -> dict:
 
     def one() -> None:
         turns.turn_start(
-            tenant=tenant, session_id=session.public_id,
+            tenant=tenant,
+            session_id=session.public_id,
             data={"messages": [{"role": "user", "content": "hello world"}], "stream": "none"},
         )
         execution.turn_execute(queued.pop())

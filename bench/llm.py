@@ -61,18 +61,28 @@ class LlmScenarios:
         if self.ready:
             return
         url = self.bench.stack.start_fake_openai(5, 0, by_model=True)
-        agents = {"agents": [{
-            "name": AGENT, "title": "openai runtime against the fake model shaped by model name",
-            "version": "1.0.0", "runtime": {"kind": "openai", "config": {}},
-            "options": [
-                {"type": "text", "name": "model", "default": SHORT},
-                {"type": "secret", "name": "apiKey", "default": "sk-bench-fake-key"},
-                {"type": "text", "name": "baseUrl", "default": url},
-            ],
-            "tools": [{"name": "add", "title": "Add", "description": "Returns a + b.", "implementation": "add"}],
-            "capabilities": {"history": {"compacted": {}, "full": {}},
-                             "stream": {"delta": {}, "message": {}, "none": {}}},
-        }]}
+        agents = {
+            "agents": [
+                {
+                    "name": AGENT,
+                    "title": "openai runtime against the fake model shaped by model name",
+                    "version": "1.0.0",
+                    "runtime": {"kind": "openai", "config": {}},
+                    "options": [
+                        {"type": "text", "name": "model", "default": SHORT},
+                        {"type": "secret", "name": "apiKey", "default": "sk-bench-fake-key"},
+                        {"type": "text", "name": "baseUrl", "default": url},
+                    ],
+                    "tools": [
+                        {"name": "add", "title": "Add", "description": "Returns a + b.", "implementation": "add"}
+                    ],
+                    "capabilities": {
+                        "history": {"compacted": {}, "full": {}},
+                        "stream": {"delta": {}, "message": {}, "none": {}},
+                    },
+                }
+            ]
+        }
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
             json.dump(agents, handle)
         try:
@@ -96,7 +106,7 @@ class LlmScenarios:
 
         async def one():
             async with gate:
-                for attempt in range(3):
+                for _attempt in range(3):
                     try:
                         made.append(await self.session(model))
                         return
@@ -135,16 +145,39 @@ class LlmScenarios:
                 costs[index] = self.cpu.per_operation(before, self.cpu.snapshot(), block)
         first, last = times[1 : block + 1], times[-block:]
         self.bench.details["llm_session_length_ms"] = [round(t * MS, 2) for t in times]
-        self.add(Row("9", f"LLM session: turns 2–{block + 1} (stream none, 5 tokens)", "ms",
-                     **_stats(first), errors=errors.count, error_samples=errors.samples,
-                     note=describe(costs.get(block - 1, {})) + f" (turns 1–{block})"))
-        self.add(Row("9", f"LLM session: turns {n - block + 1}–{n}", "ms", **_stats(last),
-                     note=describe(costs.get(n - 1, {}))))
+        self.add(
+            Row(
+                "9",
+                f"LLM session: turns 2–{block + 1} (stream none, 5 tokens)",
+                "ms",
+                **_stats(first),
+                errors=errors.count,
+                error_samples=errors.samples,
+                note=describe(costs.get(block - 1, {})) + f" (turns 1–{block})",
+            )
+        )
+        self.add(
+            Row(
+                "9",
+                f"LLM session: turns {n - block + 1}–{n}",
+                "ms",
+                **_stats(last),
+                note=describe(costs.get(n - 1, {})),
+            )
+        )
         if first and last:
             ratio = percentiles(last)["p50"] / percentiles(first)["p50"]
-            self.add(Row("9", f"LLM session: p50 of the last {block} turns ÷ p50 of turns 2–{block + 1}", "x",
-                         value=ratio, target="≤ 1.2", met=ratio <= 1.2,
-                         note=f"{n} turns in one session (FULL: 1,000)"))
+            self.add(
+                Row(
+                    "9",
+                    f"LLM session: p50 of the last {block} turns ÷ p50 of turns 2–{block + 1}",
+                    "x",
+                    value=ratio,
+                    target="≤ 1.2",
+                    met=ratio <= 1.2,
+                    note=f"{n} turns in one session (FULL: 1,000)",
+                )
+            )
 
     # --- 10 ------------------------------------------------------------------------------------
 
@@ -169,24 +202,47 @@ class LlmScenarios:
 
             sids = await asyncio.gather(*(self.session() for _ in range(c)))
             before = self.cpu.snapshot()
-            result = await closed_loop(c, self.p.turn_seconds, turn, setup=lambda i: _value(sids[i]),
-                                       warmup=self.p.warmup)
+            result = await closed_loop(
+                c, self.p.turn_seconds, turn, setup=lambda i, sids=sids: _value(sids[i]), warmup=self.p.warmup
+            )
             cost = self.cpu.per_operation(before, self.cpu.snapshot(), done)
             self.bench.details.setdefault("llm_short_cpu_ms", {})[c] = cost
-            self.add(latency_row("10", name + ": request → turn_stop", result.latencies,
-                                            errors=result.errors, rate=result.rate,
-                                            target="≥ 300 turns/s" if c == 32 else "",
-                                            met=(result.rate >= 300) if c == 32 else None,
-                                            note="rate in turns/s; " + describe(cost)))
+            self.add(
+                latency_row(
+                    "10",
+                    name + ": request → turn_stop",
+                    result.latencies,
+                    errors=result.errors,
+                    rate=result.rate,
+                    target="≥ 300 turns/s" if c == 32 else "",
+                    met=(result.rate >= 300) if c == 32 else None,
+                    note="rate in turns/s; " + describe(cost),
+                )
+            )
             if c == 32 and cost:
-                self.add(Row("10", "CPU per short LLM turn, all service processes, c=32", "ms",
-                             value=cost["service"], target="≤ 6 ms", met=cost["service"] <= 6, note=describe(cost)))
+                self.add(
+                    Row(
+                        "10",
+                        "CPU per short LLM turn, all service processes, c=32",
+                        "ms",
+                        value=cost["service"],
+                        target="≤ 6 ms",
+                        met=cost["service"] <= 6,
+                        note=describe(cost),
+                    )
+                )
             if c == 1:
                 stats = percentiles(result.values)
-                self.add(latency_row(
-                    "10", "first text delta received − the model's send time of its first token, c=1",
-                    result.values, errors=Errors(), target="p50 ≤ 5 ms",
-                    met=(stats["p50"] * MS <= 5) if stats else None))
+                self.add(
+                    latency_row(
+                        "10",
+                        "first text delta received − the model's send time of its first token, c=1",
+                        result.values,
+                        errors=Errors(),
+                        target="p50 ≤ 5 ms",
+                        met=(stats["p50"] * MS <= 5) if stats else None,
+                    )
+                )
 
     # --- 11 ------------------------------------------------------------------------------------
 
@@ -260,15 +316,27 @@ class LlmScenarios:
             errors.add(f"{short} stream(s) did not deliver all {tokens} tokens")
         target = k == 1000
         fs, ls = percentiles(first), percentiles(late)
-        self.add(latency_row(
-            "11", f"K={k} delta turns started together ({tokens} tokens × {tick} ms): first text delta", first,
-            errors=errors, target="p99 ≤ 1 s" if target else "",
-            met=(fs["p99"] <= 1.0 and not errors.count) if target and fs else None,
-            note=f"{describe(cost)} per turn; client loop lag p99 {lag.get('p99', 0)} ms"))
-        self.add(latency_row(
-            "11", f"K={k} started together: token lateness (received − model's send time)", late,
-            errors=Errors(), target="p99 ≤ 100 ms" if target else "",
-            met=(ls["p99"] <= 0.1) if target and ls else None))
+        self.add(
+            latency_row(
+                "11",
+                f"K={k} delta turns started together ({tokens} tokens × {tick} ms): first text delta",
+                first,
+                errors=errors,
+                target="p99 ≤ 1 s" if target else "",
+                met=(fs["p99"] <= 1.0 and not errors.count) if target and fs else None,
+                note=f"{describe(cost)} per turn; client loop lag p99 {lag.get('p99', 0)} ms",
+            )
+        )
+        self.add(
+            latency_row(
+                "11",
+                f"K={k} started together: token lateness (received − model's send time)",
+                late,
+                errors=Errors(),
+                target="p99 ≤ 100 ms" if target else "",
+                met=(ls["p99"] <= 0.1) if target and ls else None,
+            )
+        )
 
     async def _held(self, k: int) -> None:
         tick = 0.1
@@ -286,11 +354,18 @@ class LlmScenarios:
             errors.add(f"only {judged} of {k} streams sent tokens inside the window (they were not all open)")
         stats = percentiles(late)
         target = "p99 ≤ 20 ms" if k == 250 else ""
-        self.add(latency_row(
-            "11", f"K={k} delta turns held all open (10 tokens/s): token lateness in a {window:g} s window", late,
-            errors=errors, target=target, met=(stats["p99"] <= 0.02 and not errors.count) if target and stats else None,
-            note=f"all open {opened - min(starts, default=opened):.1f} s after the first; client loop lag p99 "
-                 f"{lag.get('p99', 0)} ms"))
+        self.add(
+            latency_row(
+                "11",
+                f"K={k} delta turns held all open (10 tokens/s): token lateness in a {window:g} s window",
+                late,
+                errors=errors,
+                target=target,
+                met=(stats["p99"] <= 0.02 and not errors.count) if target and stats else None,
+                note=f"all open {opened - min(starts, default=opened):.1f} s after the first; client loop lag p99 "
+                f"{lag.get('p99', 0)} ms",
+            )
+        )
 
     # --- 12 ------------------------------------------------------------------------------------
 
@@ -318,10 +393,18 @@ class LlmScenarios:
         before = self.cpu.snapshot()
         result = await closed_loop(c, self.p.turn_seconds, conversation, warmup=self.p.warmup)
         cost = self.cpu.per_operation(before, self.cpu.snapshot(), done)
-        self.add(latency_row("12", name, result.latencies, errors=result.errors, rate=result.rate,
-                                        target="≥ 116/s (the reference server's)",
-                                        met=result.rate >= 116 if result.latencies else None,
-                                        note="rate in conversations/s; " + describe(cost) + " per conversation"))
+        self.add(
+            latency_row(
+                "12",
+                name,
+                result.latencies,
+                errors=result.errors,
+                rate=result.rate,
+                target="≥ 116/s (the reference server's)",
+                met=result.rate >= 116 if result.latencies else None,
+                note="rate in conversations/s; " + describe(cost) + " per conversation",
+            )
+        )
 
 
 async def _value(value):
@@ -332,5 +415,10 @@ def _stats(seconds: list[float]) -> dict:
     stats = percentiles(seconds)
     if not stats:
         return {}
-    return {"p50": stats["p50"] * MS, "p95": stats["p95"] * MS, "p99": stats["p99"] * MS, "max": stats["max"] * MS,
-            "n": stats["n"]}
+    return {
+        "p50": stats["p50"] * MS,
+        "p95": stats["p95"] * MS,
+        "p99": stats["p99"] * MS,
+        "max": stats["max"] * MS,
+        "n": stats["n"],
+    }

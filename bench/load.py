@@ -88,7 +88,9 @@ class Api:
     def http(self) -> aiohttp.ClientSession:
         if self._http is None:  # made in the running event loop, on first use
             self._http = aiohttp.ClientSession(
-                base_url=self.base_url, headers=self.headers, timeout=self.timeout,
+                base_url=self.base_url,
+                headers=self.headers,
+                timeout=self.timeout,
                 connector=aiohttp.TCPConnector(limit=0),
             )
         return self._http
@@ -97,8 +99,9 @@ class Api:
         if self._http is not None:
             await self._http.close()
 
-    async def create_session(self, agent: str = "echo", *, messages: list[dict] | None = None,
-                             options: dict | None = None) -> str:
+    async def create_session(
+        self, agent: str = "echo", *, messages: list[dict] | None = None, options: dict | None = None
+    ) -> str:
         body: dict = {"agent": {"name": agent}}
         if options:
             body["agent"]["options"] = options
@@ -121,8 +124,9 @@ class Api:
             raise ApiError(f"turn stopped with {body.get('stopReason')!r}: {json.dumps(body.get('_meta'))[:200]}")
         return body
 
-    async def stream_turn(self, session_id: str, text: str, *, on_event: Callable[[Received], None] | None = None,
-                          mode: str = "delta") -> tuple[float, list[Received]]:
+    async def stream_turn(
+        self, session_id: str, text: str, *, on_event: Callable[[Received], None] | None = None, mode: str = "delta"
+    ) -> tuple[float, list[Received]]:
         """A streamed turn; returns (time the request was sent, events with their arrival time)."""
         received: list[Received] = []
         body = {"messages": [{"role": "user", "content": text}], "stream": mode}

@@ -65,10 +65,21 @@ def table(rows: list[Row]) -> str:
             why = row.skipped if len(row.skipped) <= 60 else row.skipped[:57] + "..."  # in full below the table
             lines.append([row.scenario, row.name, "", "", "", "", "", "", "", row.target, f"SKIPPED: {why}"])
             continue
-        lines.append([
-            row.scenario, row.name, row.unit, _fmt(row.p50), _fmt(row.p95), _fmt(row.p99), _fmt(row.value),
-            str(row.n or ""), str(row.errors), row.target, row.status,
-        ])
+        lines.append(
+            [
+                row.scenario,
+                row.name,
+                row.unit,
+                _fmt(row.p50),
+                _fmt(row.p95),
+                _fmt(row.p99),
+                _fmt(row.value),
+                str(row.n or ""),
+                str(row.errors),
+                row.target,
+                row.status,
+            ]
+        )
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(headers)]
     out = [" | ".join(h.ljust(w) for h, w in zip(headers, widths)), "-+-".join("-" * w for w in widths)]
     out += [" | ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in lines]
@@ -77,8 +88,10 @@ def table(rows: list[Row]) -> str:
 
 def markdown_table(rows: list[Row]) -> str:
     """The same table in Markdown, for docs/performance.md."""
-    out = ["| # | measure | p50 | p95 | p99 | rate / value | errors | target | status |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| # | measure | p50 | p95 | p99 | rate / value | errors | target | status |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in _ordered(rows):
         unit = f" {row.unit}" if row.unit else ""
         if row.skipped:
@@ -132,7 +145,10 @@ def service_versions(database_url: str, redis_url: str) -> dict:
         versions["redis"] = f"unknown ({type(exc).__name__})"
     try:
         versions["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
             cwd=RESULTS_DIR.parent.parent,
         ).stdout.strip()
     except Exception:

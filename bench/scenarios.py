@@ -27,21 +27,34 @@ MS = 1000.0
 PG_WAIT_SECONDS = float(os.environ.get("BENCH_PG_WAIT_SECONDS", "15"))
 
 
-def latency_row(scenario: str, name: str, seconds: list[float], *, errors: Errors | None = None,
-                rate: float | None = None, unit: str = "ms", **kw) -> Row:
+def latency_row(
+    scenario: str,
+    name: str,
+    seconds: list[float],
+    *,
+    errors: Errors | None = None,
+    rate: float | None = None,
+    unit: str = "ms",
+    **kw,
+) -> Row:
     """A row of p50/p95/p99 in milliseconds (from seconds), with an optional rate."""
     stats = percentiles(seconds)
     if not stats and (errors is None or not errors.count):
         errors = Errors()
         errors.add("nothing was measured: no operation finished inside the window")
     row = Row(
-        scenario, name, unit,
+        scenario,
+        name,
+        unit,
         p50=stats.get("p50", 0) * MS if stats else None,
         p95=stats.get("p95", 0) * MS if stats else None,
         p99=stats.get("p99", 0) * MS if stats else None,
         max=stats.get("max", 0) * MS if stats else None,
-        value=rate, value_unit="/s" if rate is not None else "", n=stats.get("n", 0),
-        errors=errors.count if errors else 0, error_samples=list(errors.samples) if errors else [],
+        value=rate,
+        value_unit="/s" if rate is not None else "",
+        n=stats.get("n", 0),
+        errors=errors.count if errors else 0,
+        error_samples=list(errors.samples) if errors else [],
         **kw,
     )
     return row
@@ -93,8 +106,9 @@ class Bench:
         try:
             with psycopg.connect(self.stack.database_url, connect_timeout=10) as conn:
                 limit = int(conn.execute("SHOW max_connections").fetchone()[0])
-                others = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname IS DISTINCT FROM %s",
-                                      (name,)).fetchone()[0]
+                others = conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname IS DISTINCT FROM %s", (name,)
+                ).fetchone()[0]
         except psycopg.OperationalError:
             return 0  # full right now
         return limit - others - self.PG_RESERVE
@@ -114,8 +128,10 @@ class Bench:
             if need <= room:
                 return ""
             if time.monotonic() >= deadline:
-                return (f"needs ~{need} PostgreSQL connections ({concurrent_requests} from Daphne's pool "
-                        f"+ {holders} held by workers); the shared server had room for {room}")
+                return (
+                    f"needs ~{need} PostgreSQL connections ({concurrent_requests} from Daphne's pool "
+                    f"+ {holders} held by workers); the shared server had room for {room}"
+                )
             await asyncio.sleep(1.0)
 
     def add(self, row: Row) -> Row:
@@ -134,10 +150,19 @@ class Bench:
             if why:
                 self.add(Row("1", f"session create, c={c}", "ms", skipped=why))
                 continue
-            result = await closed_loop(c, self.p.create_seconds, lambda i, s: self.api.create_session(),
-                                       warmup=self.p.warmup)
-            self.add(latency_row("1", f"session create, c={c}", result.latencies, errors=result.errors,
-                                 rate=result.rate, note="rate in sessions/s"))
+            result = await closed_loop(
+                c, self.p.create_seconds, lambda i, s: self.api.create_session(), warmup=self.p.warmup
+            )
+            self.add(
+                latency_row(
+                    "1",
+                    f"session create, c={c}",
+                    result.latencies,
+                    errors=result.errors,
+                    rate=result.rate,
+                    note="rate in sessions/s",
+                )
+            )
 
     # --- 2 ---------------------------------------------------------------------------------
 
@@ -147,34 +172,75 @@ class Bench:
             target = "≥ 250 turns/s" if c == 32 else ""
             why = await self.too_big(c)
             if why:
-                self.add(Row("2", f"echo turns (stream none), c={c}, {self.p.workers} workers", "ms",
-                             target=target, skipped=why))
+                self.add(
+                    Row(
+                        "2",
+                        f"echo turns (stream none), c={c}, {self.p.workers} workers",
+                        "ms",
+                        target=target,
+                        skipped=why,
+                    )
+                )
                 continue
             result = await closed_loop(
-                c, self.p.turn_seconds, lambda i, sid: self.api.turn(sid, "hello world"),
-                setup=lambda i: self.api.create_session(), warmup=self.p.warmup,
+                c,
+                self.p.turn_seconds,
+                lambda i, sid: self.api.turn(sid, "hello world"),
+                setup=lambda i: self.api.create_session(),
+                warmup=self.p.warmup,
             )
             hosted[c] = result
             met = result.rate >= 250 if c == 32 else None
-            self.add(latency_row("2", f"echo turns (stream none), c={c}, {self.p.workers} workers",
-                                 result.latencies, errors=result.errors, rate=result.rate, target=target, met=met,
-                                 note="rate in turns/s"))
+            self.add(
+                latency_row(
+                    "2",
+                    f"echo turns (stream none), c={c}, {self.p.workers} workers",
+                    result.latencies,
+                    errors=result.errors,
+                    rate=result.rate,
+                    target=target,
+                    met=met,
+                    note="rate in turns/s",
+                )
+            )
         inproc = {}
-        for mode, label in (("host", "in-process host.execute (no HTTP, no queue, no DB)"),
-                            ("services", "in-process turn_start+turn_execute (PostgreSQL+Redis, no HTTP, no queue)")):
+        for mode, label in (
+            ("host", "in-process host.execute (no HTTP, no queue, no DB)"),
+            ("services", "in-process turn_start+turn_execute (PostgreSQL+Redis, no HTTP, no queue)"),
+        ):
             data = await self._inproc(mode)
             inproc[mode] = data
             lat = {key: value * MS for key, value in data.get("latency", {}).items() if key != "n"}
-            self.add(Row("2", label, "ms", p50=lat.get("p50"), p95=lat.get("p95"), p99=lat.get("p99"),
-                         max=lat.get("max"), value=data.get("rate"), value_unit="/s", n=data.get("turns", 0),
-                         errors=data.get("errors", 0), error_samples=data.get("errorSamples", []),
-                         note="sequential, one thread; rate in turns/s"))
+            self.add(
+                Row(
+                    "2",
+                    label,
+                    "ms",
+                    p50=lat.get("p50"),
+                    p95=lat.get("p95"),
+                    p99=lat.get("p99"),
+                    max=lat.get("max"),
+                    value=data.get("rate"),
+                    value_unit="/s",
+                    n=data.get("turns", 0),
+                    errors=data.get("errors", 0),
+                    error_samples=data.get("errorSamples", []),
+                    note="sequential, one thread; rate in turns/s",
+                )
+            )
         reference = inproc["host"].get("rate") or 0
         for c, result in hosted.items() if reference else ():
             if c in (1, 32) or c == max(hosted):
                 ratio = reference / result.rate if result.rate else None
-                self.add(Row("2", f"hosting overhead ratio: in-process rate ÷ hosted rate (c={c})", "x",
-                             value=ratio, note="1.0 would mean HTTP, queue and persistence cost nothing"))
+                self.add(
+                    Row(
+                        "2",
+                        f"hosting overhead ratio: in-process rate ÷ hosted rate (c={c})",
+                        "x",
+                        value=ratio,
+                        note="1.0 would mean HTTP, queue and persistence cost nothing",
+                    )
+                )
         if 1 in hosted and hosted[1].latencies and inproc["host"].get("latency"):
             extra = (percentiles(hosted[1].latencies)["p50"] - inproc["host"]["latency"]["p50"]) * MS
             self.add(Row("2", "per-turn hosting cost at c=1: hosted p50 − in-process p50", "ms", value=extra))
@@ -186,12 +252,22 @@ class Bench:
             # The in-memory event stream: no Redis, no database touched.
             env.update(REDIS_URL="", DATABASE_URL="")
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.inproc", mode, str(self.p.inproc_seconds), cwd=ROOT, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            sys.executable,
+            "-m",
+            "bench.inproc",
+            mode,
+            str(self.p.inproc_seconds),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
         if proc.returncode != 0:
-            return {"errors": 1, "errorSamples": [f"bench.inproc {mode} exited {proc.returncode}: {err.decode()[-300:]}"]}
+            return {
+                "errors": 1,
+                "errorSamples": [f"bench.inproc {mode} exited {proc.returncode}: {err.decode()[-300:]}"],
+            }
         return json.loads(out.decode().strip().splitlines()[-1])
 
     # --- 3 ---------------------------------------------------------------------------------
@@ -199,26 +275,57 @@ class Bench:
     async def first_byte(self) -> None:
         why = await self.too_big(self.p.ttfb_clients)
         if why:
-            self.add(Row("3", f"time to turn_start, delta turns, c={self.p.ttfb_clients}", "ms",
-                         target="p50 ≤ 10 ms, p99 ≤ 40 ms", skipped=why))
+            self.add(
+                Row(
+                    "3",
+                    f"time to turn_start, delta turns, c={self.p.ttfb_clients}",
+                    "ms",
+                    target="p50 ≤ 10 ms, p99 ≤ 40 ms",
+                    skipped=why,
+                )
+            )
             return
+
         async def turn(i, sid):
             sent, events = await self.api.stream_turn(sid, "hello world")
             return events[0].at - sent if events[0].event == "turn_start" else None
 
         # The service's own cost to the first event, without queueing: one client.
-        alone = await closed_loop(1, self.p.ttfb_seconds / 2, turn,
-                                  setup=lambda i: self.api.create_session(), warmup=self.p.warmup)
-        self.add(latency_row("3", "time to turn_start, delta turns, c=1 (no queueing)", alone.values,
-                             errors=alone.errors))
-        result = await closed_loop(self.p.ttfb_clients, self.p.ttfb_seconds, turn,
-                                   setup=lambda i: self.api.create_session(), warmup=self.p.warmup)
+        alone = await closed_loop(
+            1, self.p.ttfb_seconds / 2, turn, setup=lambda i: self.api.create_session(), warmup=self.p.warmup
+        )
+        self.add(
+            latency_row("3", "time to turn_start, delta turns, c=1 (no queueing)", alone.values, errors=alone.errors)
+        )
+        result = await closed_loop(
+            self.p.ttfb_clients,
+            self.p.ttfb_seconds,
+            turn,
+            setup=lambda i: self.api.create_session(),
+            warmup=self.p.warmup,
+        )
         stats = percentiles(result.values)
         met = bool(stats) and stats["p50"] * MS <= 10 and stats["p99"] * MS <= 40
-        self.add(latency_row("3", f"time to turn_start, delta turns, c={self.p.ttfb_clients}", result.values,
-                             errors=result.errors, target="p50 ≤ 10 ms, p99 ≤ 40 ms", met=met if stats else None))
-        self.add(latency_row("3", f"whole delta turn, c={self.p.ttfb_clients}", result.latencies,
-                             errors=Errors(), rate=result.rate, note="rate in turns/s"))
+        self.add(
+            latency_row(
+                "3",
+                f"time to turn_start, delta turns, c={self.p.ttfb_clients}",
+                result.values,
+                errors=result.errors,
+                target="p50 ≤ 10 ms, p99 ≤ 40 ms",
+                met=met if stats else None,
+            )
+        )
+        self.add(
+            latency_row(
+                "3",
+                f"whole delta turn, c={self.p.ttfb_clients}",
+                result.latencies,
+                errors=Errors(),
+                rate=result.rate,
+                note="rate in turns/s",
+            )
+        )
 
     # --- 4 ---------------------------------------------------------------------------------
 
@@ -226,8 +333,11 @@ class Bench:
         command = f"/slow {self.p.relay_ticks} {self.p.relay_tick_ms}"
         why = await self.too_big(self.p.relay_clients)
         if why:
-            self.add(Row("4", f"relay latency, c={self.p.relay_clients}", "ms", target="p50 ≤ 2 ms, p99 ≤ 10 ms",
-                         skipped=why))
+            self.add(
+                Row(
+                    "4", f"relay latency, c={self.p.relay_clients}", "ms", target="p50 ≤ 2 ms, p99 ≤ 10 ms", skipped=why
+                )
+            )
             return
 
         async def turn(i, sid):
@@ -235,16 +345,27 @@ class Bench:
             return [e.at - e.data["_meta"]["emittedAt"] for e in events if e.event == "text_delta"]
 
         with LoopLag() as lag:
-            result = await closed_loop(self.p.relay_clients, self.p.relay_seconds, turn,
-                                       setup=lambda i: self.api.create_session(), warmup=self.p.warmup)
+            result = await closed_loop(
+                self.p.relay_clients,
+                self.p.relay_seconds,
+                turn,
+                setup=lambda i: self.api.create_session(),
+                warmup=self.p.warmup,
+            )
         lateness = [x for values in result.values for x in values]
         stats = percentiles(lateness)
         met = bool(stats) and stats["p50"] * MS <= 2 and stats["p99"] * MS <= 10
-        self.add(latency_row(
-            "4", f"relay: received − emittedAt per delta, '{command}', c={self.p.relay_clients}", lateness,
-            errors=result.errors, target="p50 ≤ 2 ms, p99 ≤ 10 ms", met=met if stats else None,
-            note=f"load generator loop lag ms {lag.summary()}",
-        ))
+        self.add(
+            latency_row(
+                "4",
+                f"relay: received − emittedAt per delta, '{command}', c={self.p.relay_clients}",
+                lateness,
+                errors=result.errors,
+                target="p50 ≤ 2 ms, p99 ≤ 10 ms",
+                met=met if stats else None,
+                note=f"load generator loop lag ms {lag.summary()}",
+            )
+        )
         self.details["relay_loop_lag_ms"] = lag.summary()
 
     # --- 6 ---------------------------------------------------------------------------------
@@ -273,15 +394,30 @@ class Bench:
                         errors.add(f"{type(exc).__name__}: {exc}")
                 first[length] = times[:1]
                 steady[length] = times[1:]
-                self.add(latency_row("6", f"{label}: first turn at history {length:,}", times[:1], errors=errors,
-                                     note=f"session create with {length} messages took {create * MS:.0f} ms"))
+                self.add(
+                    latency_row(
+                        "6",
+                        f"{label}: first turn at history {length:,}",
+                        times[:1],
+                        errors=errors,
+                        note=f"session create with {length} messages took {create * MS:.0f} ms",
+                    )
+                )
                 self.add(latency_row("6", f"{label}: later turns at history {length:,}+", times[1:]))
             lo, hi = min(lengths), max(lengths)
             for kind, data in (("later turns", steady), ("first turn", first)):
                 if data.get(lo) and data.get(hi):
                     ratio = percentiles(data[hi])["p50"] / percentiles(data[lo])["p50"]
-                    self.add(Row("6", f"{label}: {kind} p50 at {hi:,} ÷ p50 at {lo:,}", "x", value=ratio,
-                                 target="≤ 1.2", met=ratio <= 1.2))
+                    self.add(
+                        Row(
+                            "6",
+                            f"{label}: {kind} p50 at {hi:,} ÷ p50 at {lo:,}",
+                            "x",
+                            value=ratio,
+                            target="≤ 1.2",
+                            met=ratio <= 1.2,
+                        )
+                    )
 
     # --- 7 ---------------------------------------------------------------------------------
 
@@ -291,16 +427,25 @@ class Bench:
             self.add(Row("7", "openai-runtime turn overhead", "ms", target="p50 ≤ 10 ms", skipped=why))
             return
         url = self.stack.start_fake_openai(self.p.llm_tokens, self.p.llm_delay_ms)
-        agents = {"agents": [{
-            "name": "bench-llm", "title": "openai runtime against the fake server", "version": "1.0.0",
-            "runtime": {"kind": "openai", "config": {}},
-            "options": [
-                {"type": "text", "name": "model", "default": "bench-model"},
-                {"type": "secret", "name": "apiKey", "default": "sk-bench-fake-key"},
-                {"type": "text", "name": "baseUrl", "default": url},
-            ],
-            "capabilities": {"history": {"compacted": {}, "full": {}}, "stream": {"delta": {}, "message": {}, "none": {}}},
-        }]}
+        agents = {
+            "agents": [
+                {
+                    "name": "bench-llm",
+                    "title": "openai runtime against the fake server",
+                    "version": "1.0.0",
+                    "runtime": {"kind": "openai", "config": {}},
+                    "options": [
+                        {"type": "text", "name": "model", "default": "bench-model"},
+                        {"type": "secret", "name": "apiKey", "default": "sk-bench-fake-key"},
+                        {"type": "text", "name": "baseUrl", "default": url},
+                    ],
+                    "capabilities": {
+                        "history": {"compacted": {}, "full": {}},
+                        "stream": {"delta": {}, "message": {}, "none": {}},
+                    },
+                }
+            ]
+        }
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
             json.dump(agents, handle)
         try:
@@ -315,11 +460,16 @@ class Bench:
             if isinstance(outcome, Exception):
                 errors.add(f"warm-up turn: {type(outcome).__name__}: {outcome}")
         direct, turns, overhead = [], [], []
-        body = {"model": "bench-model", "messages": [{"role": "user", "content": "hello world"}], "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": "bench-model",
+            "messages": [{"role": "user", "content": "hello world"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         # The same HTTP client as the turns', so the paired difference is the service's alone.
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60),
-                                         headers={"Authorization": "Bearer sk-bench-fake-key"}) as fake:
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=60), headers={"Authorization": "Bearer sk-bench-fake-key"}
+        ) as fake:
             for _ in range(self.p.llm_turns + 1):  # the first pair warms the direct path up
                 try:
                     t0 = time.perf_counter()
@@ -336,12 +486,25 @@ class Bench:
                 overhead.append(t - d)
         direct, turns, overhead = direct[1:], turns[1:], overhead[1:]
         nominal = self.p.llm_tokens * self.p.llm_delay_ms
-        self.add(latency_row("7", f"fake server alone: {self.p.llm_tokens} tokens × {self.p.llm_delay_ms:g} ms, streamed",
-                             direct, note=f"nominal {nominal:.0f} ms"))
+        self.add(
+            latency_row(
+                "7",
+                f"fake server alone: {self.p.llm_tokens} tokens × {self.p.llm_delay_ms:g} ms, streamed",
+                direct,
+                note=f"nominal {nominal:.0f} ms",
+            )
+        )
         self.add(latency_row("7", "openai-runtime delta turn: request → turn_stop", turns, errors=errors))
         stats = percentiles(overhead)
-        self.add(latency_row("7", "overhead: turn time − the fake's own time (paired)", overhead,
-                             target="p50 ≤ 10 ms", met=(stats["p50"] * MS <= 10) if stats else None))
+        self.add(
+            latency_row(
+                "7",
+                "overhead: turn time − the fake's own time (paired)",
+                overhead,
+                target="p50 ≤ 10 ms",
+                met=(stats["p50"] * MS <= 10) if stats else None,
+            )
+        )
 
     async def _llm_turn(self) -> float:
         """One delta turn of bench-llm in a new session: seconds from request to turn_stop."""
@@ -372,9 +535,13 @@ class Bench:
         sessions: list[str] = []
         open_rate = 20.0  # streams opened per second (each is a turn POST); measured at each step
         best, best_memory, steps_done = 0, None, []
-        self.details["open_streams"] = {"source": source, "daphne_rss_baseline_kib": baseline,
-                                        "daphne_threads_baseline": baseline_threads, "cap": why_cap,
-                                        "steps": steps_done}
+        self.details["open_streams"] = {
+            "source": source,
+            "daphne_rss_baseline_kib": baseline,
+            "daphne_threads_baseline": baseline_threads,
+            "cap": why_cap,
+            "steps": steps_done,
+        }
         for k in steps:
             ramp = k / open_rate
             n_ticks = math.ceil((1.5 * ramp + 1.0 + self.p.stream_window + 1.0) / tick)
@@ -390,25 +557,52 @@ class Bench:
             lateness = step.pop("lateness")
             errors = step.pop("errors_obj")
             ok = step["passed"]
-            note = (f"{step['late']} of {step['ticks_in_window']} ticks > 100 ms; streams opened in "
-                    f"{step['ramp_seconds']:.1f} s; window {step['window_seconds']:.1f} s; Daphne CPU "
-                    f"{step['daphne_cpu_pct']:.0f}%; Daphne RSS {step['daphne_rss_peak_kib'] / 1024:.0f} MiB "
-                    f"(+{step['kb_per_stream']:.1f} KB/stream), {step['daphne_threads_peak']} threads; client loop lag p99 {step['loop_lag_ms'].get('p99', 0)} ms")
-            self.add(latency_row("5", f"K={k} open streams: tick lateness (received − emittedAt)", lateness,
-                                 errors=errors, note=note, target="every tick ≤ 100 ms", met=ok))
+            note = (
+                f"{step['late']} of {step['ticks_in_window']} ticks > 100 ms; streams opened in "
+                f"{step['ramp_seconds']:.1f} s; window {step['window_seconds']:.1f} s; Daphne CPU "
+                f"{step['daphne_cpu_pct']:.0f}%; Daphne RSS {step['daphne_rss_peak_kib'] / 1024:.0f} MiB "
+                f"(+{step['kb_per_stream']:.1f} KB/stream), {step['daphne_threads_peak']} threads; client loop lag p99 {step['loop_lag_ms'].get('p99', 0)} ms"
+            )
+            self.add(
+                latency_row(
+                    "5",
+                    f"K={k} open streams: tick lateness (received − emittedAt)",
+                    lateness,
+                    errors=errors,
+                    note=note,
+                    target="every tick ≤ 100 ms",
+                    met=ok,
+                )
+            )
             if not ok:
                 break
             best, best_memory = k, step["kb_per_stream"]
-        self.add(Row("5", f"largest K with every tick ≤ 100 ms (one Daphne; turns on {source})", "streams",
-                     value=best, target="≥ 2,000", met=best >= 2000,
-                     note=f"steps tried: {[s['k'] for s in steps_done]}; tick every {self.p.stream_tick_ms} ms"
-                          + (f"; {why_cap}" if why_cap else "")))
+        self.add(
+            Row(
+                "5",
+                f"largest K with every tick ≤ 100 ms (one Daphne; turns on {source})",
+                "streams",
+                value=best,
+                target="≥ 2,000",
+                met=best >= 2000,
+                note=f"steps tried: {[s['k'] for s in steps_done]}; tick every {self.p.stream_tick_ms} ms"
+                + (f"; {why_cap}" if why_cap else ""),
+            )
+        )
         if best_memory is not None:
             enough = best >= 250  # below that, allocator noise outweighs the streams
-            self.add(Row("5", f"Daphne memory per open stream at K={best}", "KB", value=best_memory,
-                         target="≤ 100 KB", met=(best_memory <= 100) if enough else None,
-                         note="(peak RSS during the window − RSS before the first step) ÷ K"
-                              + ("" if enough else "; too few streams to judge")))
+            self.add(
+                Row(
+                    "5",
+                    f"Daphne memory per open stream at K={best}",
+                    "KB",
+                    value=best_memory,
+                    target="≤ 100 KB",
+                    met=(best_memory <= 100) if enough else None,
+                    note="(peak RSS during the window − RSS before the first step) ÷ K"
+                    + ("" if enough else "; too few streams to judge"),
+                )
+            )
 
     async def _ensure_sessions(self, sessions: list[str], k: int) -> None:
         missing = k - len(sessions)
@@ -501,17 +695,37 @@ class Bench:
         in_window = [s for s in samples if window_start <= s[0] <= window_end] or samples[-2:]
         peak = max(s[1] for s in in_window)
         peak_threads = max(s[3] for s in in_window)
-        cpu = ((in_window[-1][2] - in_window[0][2]) / (in_window[-1][0] - in_window[0][0]) * 100
-               if len(in_window) > 1 and in_window[-1][0] > in_window[0][0] else 0.0)
+        cpu = (
+            (in_window[-1][2] - in_window[0][2]) / (in_window[-1][0] - in_window[0][0]) * 100
+            if len(in_window) > 1 and in_window[-1][0] > in_window[0][0]
+            else 0.0
+        )
         window_seconds = max(0.0, window_end - window_start)
-        passed = (errors.count == 0 and len(opened) == k and short == 0 and late == 0
-                  and window_seconds >= self.p.stream_window / 2)
+        passed = (
+            errors.count == 0
+            and len(opened) == k
+            and short == 0
+            and late == 0
+            and window_seconds >= self.p.stream_window / 2
+        )
         return {
-            "k": k, "command": command, "passed": passed, "ramp_seconds": all_open - started,
-            "window_seconds": window_seconds, "ticks_in_window": len(lateness), "late": late,
-            "streams_without_ticks_in_window": short, "opened": len(opened),
+            "k": k,
+            "command": command,
+            "passed": passed,
+            "ramp_seconds": all_open - started,
+            "window_seconds": window_seconds,
+            "ticks_in_window": len(lateness),
+            "late": late,
+            "streams_without_ticks_in_window": short,
+            "opened": len(opened),
             "lateness_ms": {key: (v * MS if key != "n" else v) for key, v in percentiles(lateness).items()},
-            "daphne_rss_peak_kib": peak, "kb_per_stream": (peak - baseline) * 1.024 / k,
-            "daphne_cpu_pct": cpu, "daphne_threads_peak": peak_threads, "loop_lag_ms": lag.summary(), "errors": errors.count,
-            "error_samples": errors.samples, "lateness": lateness, "errors_obj": errors,
+            "daphne_rss_peak_kib": peak,
+            "kb_per_stream": (peak - baseline) * 1.024 / k,
+            "daphne_cpu_pct": cpu,
+            "daphne_threads_peak": peak_threads,
+            "loop_lag_ms": lag.summary(),
+            "errors": errors.count,
+            "error_samples": errors.samples,
+            "lateness": lateness,
+            "errors_obj": errors,
         }

@@ -118,7 +118,11 @@ class BenchStack:
 
     def manage(self, *args: str, timeout: float = 300) -> str:
         result = subprocess.run(
-            [PYTHON, str(ROOT / "manage.py"), *args], env=self.env, cwd=ROOT, capture_output=True, text=True,
+            [PYTHON, str(ROOT / "manage.py"), *args],
+            env=self.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
             timeout=timeout,
         )
         if result.returncode != 0:
@@ -138,8 +142,12 @@ class BenchStack:
             if not exists:
                 conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         result = subprocess.run(
-            [PYTHON, "-m", "bench.prepare", str(agents_file)], env=self.env, cwd=ROOT, capture_output=True,
-            text=True, timeout=300,
+            [PYTHON, "-m", "bench.prepare", str(agents_file)],
+            env=self.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if result.returncode != 0:
             raise RuntimeError(f"preparing the bench database failed:\n{result.stdout}\n{result.stderr}")
@@ -157,13 +165,19 @@ class BenchStack:
     def _spawn(self, name: str, argv: list[str], **kw) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
         return subprocess.Popen(
-            argv, env=kw.pop("env", self.env), cwd=ROOT, stdout=kw.pop("stdout", log), stderr=log,
-            start_new_session=True, **kw,
+            argv,
+            env=kw.pop("env", self.env),
+            cwd=ROOT,
+            stdout=kw.pop("stdout", log),
+            stderr=log,
+            start_new_session=True,
+            **kw,
         )
 
     def start_web(self, wait: bool = True) -> None:
         self.web = self._spawn(
-            "daphne", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "hosting.asgi:application"],
+            "daphne",
+            [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "hosting.asgi:application"],
         )
         if wait:
             self.wait_web()
@@ -177,12 +191,30 @@ class BenchStack:
         for index in range(count):
             name = f"celery-{index}"
             (self.log_dir / f"{name}.log").unlink(missing_ok=True)
-            self.workers.append(self._spawn(name, [
-                str(BIN / "celery"), "-A", "hosting", "worker", "--pool", "threads",
-                "--concurrency", str(concurrency), "-Q", "aap-turns", "--loglevel", "INFO",
-                "-n", f"bench{index}-{time.time_ns()}@%h", "--without-gossip", "--without-mingle",
-                "--without-heartbeat",
-            ]))
+            self.workers.append(
+                self._spawn(
+                    name,
+                    [
+                        str(BIN / "celery"),
+                        "-A",
+                        "hosting",
+                        "worker",
+                        "--pool",
+                        "threads",
+                        "--concurrency",
+                        str(concurrency),
+                        "-Q",
+                        "aap-turns",
+                        "--loglevel",
+                        "INFO",
+                        "-n",
+                        f"bench{index}-{time.time_ns()}@%h",
+                        "--without-gossip",
+                        "--without-mingle",
+                        "--without-heartbeat",
+                    ],
+                )
+            )
         if wait:
             self.wait_workers()
 
@@ -205,8 +237,18 @@ class BenchStack:
         `by_model`: the request's model name shapes each reply (tests/fakes/openai_server.py)."""
         proc = self._spawn(
             "openai-fake" + ("-by-model" if by_model else ""),
-            [PYTHON, "-m", "tests.fakes.openai_server", "--port", "0", "--tokens", str(tokens),
-             "--delay-ms", str(delay_ms), *(["--by-model"] if by_model else [])],
+            [
+                PYTHON,
+                "-m",
+                "tests.fakes.openai_server",
+                "--port",
+                "0",
+                "--tokens",
+                str(tokens),
+                "--delay-ms",
+                str(delay_ms),
+                *(["--by-model"] if by_model else []),
+            ],
             stdout=subprocess.PIPE,
         )
         self.others.append(proc)

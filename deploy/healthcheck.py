@@ -54,8 +54,11 @@ def worker() -> int:
 
 def beat() -> int:
     var_dir = os.environ.get("HOSTING_VAR_DIR", "/data/var")
-    candidates = [os.path.join(var_dir, name) for name in os.listdir(var_dir) if name.startswith("celerybeat-schedule")] \
-        if os.path.isdir(var_dir) else []
+    candidates = (
+        [os.path.join(var_dir, name) for name in os.listdir(var_dir) if name.startswith("celerybeat-schedule")]
+        if os.path.isdir(var_dir)
+        else []
+    )
     newest = max((os.path.getmtime(path) for path in candidates), default=0.0)
     if time.time() - newest > float(os.environ.get("AAP_BEAT_STALE_SECONDS", "400")):
         print("beat unhealthy: its schedule file has not been written for too long", file=sys.stderr)

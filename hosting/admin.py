@@ -30,16 +30,22 @@ class TenantAdmin(admin.ModelAdmin):
     inlines = [ApiTokenInline]
     fieldsets = [
         (None, {"fields": ("name", "title", "is_active")}),
-        ("Limits", {
-            "fields": LIMIT_FIELDS,
-            "description": "Empty: the service's default (AAP_TENANT_* settings). 0: no limit. "
-            "Over a limit the API answers 429 with Retry-After; nothing is stored.",
-        }),
-        ("Scheduling", {
-            "fields": ("weight",),
-            "description": "When every worker is busy, the next free one takes a waiting turn of the tenant "
-            "with the fewest running turns per unit of weight.",
-        }),
+        (
+            "Limits",
+            {
+                "fields": LIMIT_FIELDS,
+                "description": "Empty: the service's default (AAP_TENANT_* settings). 0: no limit. "
+                "Over a limit the API answers 429 with Retry-After; nothing is stored.",
+            },
+        ),
+        (
+            "Scheduling",
+            {
+                "fields": ("weight",),
+                "description": "When every worker is busy, the next free one takes a waiting turn of the tenant "
+                "with the fewest running turns per unit of weight.",
+            },
+        ),
     ]
 
     def save_model(self, request, obj, form, change):
@@ -55,8 +61,10 @@ class TenantAdmin(admin.ModelAdmin):
         )
 
     def get_queryset(self, request):
-        return super().get_queryset(request).annotate(
-            _prompt=Sum("sessions__prompt_tokens"), _completion=Sum("sessions__completion_tokens")
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(_prompt=Sum("sessions__prompt_tokens"), _completion=Sum("sessions__completion_tokens"))
         )
 
     @admin.display(description="LLM prompt tokens", ordering="_prompt")

@@ -115,7 +115,9 @@ def token_is_active(token_id: int) -> bool:
 
     return ApiToken.objects.filter(
         Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()),
-        pk=token_id, revoked_at__isnull=True, tenant__is_active=True,
+        pk=token_id,
+        revoked_at__isnull=True,
+        tenant__is_active=True,
     ).exists()
 
 
@@ -191,7 +193,9 @@ class EventsTicketAuthentication(authentication.BaseAuthentication):
                 "This events ticket has expired; re-attach with 'Authorization: Bearer <api token>'."
             ) from None
         except (signing.BadSignature, ValueError, TypeError):
-            raise exceptions.AuthenticationFailed("The events ticket is not valid; use the turn's AAP-Events-Ticket.") from None
+            raise exceptions.AuthenticationFailed(
+                "The events ticket is not valid; use the turn's AAP-Events-Ticket."
+            ) from None
         token = _active_token("k.id = %s", token_id) if isinstance(token_id, int) else None
         if token is None:
             raise exceptions.AuthenticationFailed(

@@ -13,6 +13,7 @@ app = Celery("hosting")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
+
 @celeryd_after_setup.connect
 def _remember_node_name(sender, instance=None, **kwargs):
     process.worker_node = str(sender)

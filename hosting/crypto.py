@@ -43,9 +43,7 @@ def decrypt(token: str) -> str:
         return fernet().decrypt(token.encode()).decode()
     except InvalidToken:
         # Never include the token itself: it would leak ciphertext into logs.
-        raise SecretDecryptionError(
-            "a stored secret could not be decrypted with HOSTING_ENCRYPTION_KEYS"
-        ) from None
+        raise SecretDecryptionError("a stored secret could not be decrypted with HOSTING_ENCRYPTION_KEYS") from None
 
 
 def rotate(token: str) -> str:

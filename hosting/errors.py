@@ -182,7 +182,9 @@ class LimitedJSONParser(JSONParser):
         except RecursionError:
             raise exceptions.ParseError("it nests arrays or objects too deeply") from None
         except UnicodeEncodeError:
-            raise exceptions.ParseError("it escapes a lone UTF-16 surrogate such as \\ud800, which is not Unicode") from None
+            raise exceptions.ParseError(
+                "it escapes a lone UTF-16 surrogate such as \\ud800, which is not Unicode"
+            ) from None
         return data
 
 

@@ -82,7 +82,10 @@ class RedisWindows:
         import redis
 
         self.client = redis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5,
+            url,
+            decode_responses=True,
+            socket_timeout=5,
+            socket_connect_timeout=5,
             max_connections=settings.REDIS_POOL_MAX,
         )
         self._take = self.client.register_script(_TAKE)

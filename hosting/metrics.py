@@ -76,20 +76,28 @@ HTTP_REQUESTS = Counter(
     "aap_http_requests", "HTTP requests answered, by route and status.", ["route", "method", "status"]
 )
 HTTP_LATENCY = Histogram(
-    "aap_http_request_duration_seconds", "Time to the response head, by route.", ["route", "method"],
+    "aap_http_request_duration_seconds",
+    "Time to the response head, by route.",
+    ["route", "method"],
     buckets=LATENCY_BUCKETS,
 )
 RATE_LIMITED = Counter(
     "aap_rate_limited", "Requests refused with 429, by the limit that refused them (details.limit).", ["limit"]
 )
-TURNS_STARTED = Counter("aap_turns_started", "Turns accepted, by agent, tenant and stream mode.", ["agent", "tenant", "stream"])
+TURNS_STARTED = Counter(
+    "aap_turns_started", "Turns accepted, by agent, tenant and stream mode.", ["agent", "tenant", "stream"]
+)
 TURNS_FINISHED = Counter(
-    "aap_turns_finished", "Turns run to their end by a worker, by agent, tenant and stop reason.",
+    "aap_turns_finished",
+    "Turns run to their end by a worker, by agent, tenant and stop reason.",
     ["agent", "tenant", "stop_reason"],
 )
 TURNS_CANCELLED = Counter("aap_turns_cancelled", "Turns that ended by a cancel, by agent.", ["agent"])
 TURN_DURATION = Histogram(
-    "aap_turn_duration_seconds", "How long the agent ran a turn (worker side), by agent.", ["agent"], buckets=TURN_BUCKETS
+    "aap_turn_duration_seconds",
+    "How long the agent ran a turn (worker side), by agent.",
+    ["agent"],
+    buckets=TURN_BUCKETS,
 )
 QUEUE_WAIT = Histogram(
     "aap_turn_queue_wait_seconds", "From handing a turn to the queue to a worker starting it.", buckets=TURN_BUCKETS
@@ -103,11 +111,15 @@ OPEN_STREAMS = Gauge(
     "aap_open_streams", "Turn responses being streamed right now (SSE and JSON).", ["mode"], multiprocess_mode="livesum"
 )
 EVENTS_RELAYED = Counter("aap_events_relayed", "AAP events written to clients, by stream mode.", ["mode"])
-LLM_TOKENS = Counter("aap_llm_tokens", "Model tokens used by turns, by agent, tenant and kind.", ["agent", "tenant", "kind"])
+LLM_TOKENS = Counter(
+    "aap_llm_tokens", "Model tokens used by turns, by agent, tenant and kind.", ["agent", "tenant", "kind"]
+)
 MODEL_CALLS = Counter("aap_llm_calls", "Model calls made by turns, by agent.", ["agent"])
 LOST_TURNS = Counter("aap_lost_turns_recovered", "Lost turns ended with error, by what they were doing.", ["state"])
 ACP_STARTED = Counter("aap_acp_processes_started", "ACP agent processes started.")
-ACP_KILLED = Counter("aap_acp_processes_killed", "ACP agent processes killed by the host (limits, timeouts, bad output).")
+ACP_KILLED = Counter(
+    "aap_acp_processes_killed", "ACP agent processes killed by the host (limits, timeouts, bad output)."
+)
 ACP_ALIVE = Gauge("aap_acp_processes_alive", "ACP agent processes running now.", multiprocess_mode="livesum")
 
 
@@ -301,10 +313,13 @@ def metrics_view(request):
     if request.method != "GET":
         return JsonResponse({"error": "Use GET to read the metrics."}, status=405, headers={"Allow": "GET"})
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.AAP_METRICS_TOKEN.encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode(), settings.AAP_METRICS_TOKEN.encode()
+    ):
         return JsonResponse(
             {"error": "Send the metrics token (AAP_METRICS_TOKEN) as 'Authorization: Bearer <token>'."},
-            status=401, headers={"WWW-Authenticate": "Bearer"},
+            status=401,
+            headers={"WWW-Authenticate": "Bearer"},
         )
     return HttpResponse(generate_latest(registry()), content_type=CONTENT_TYPE_LATEST)
 
@@ -349,7 +364,9 @@ class RequestMetricsMiddleware(HybridMiddleware):
     def _observe(request, response, started: float) -> None:
         match = getattr(request, "resolver_match", None)
         route = _route("/" + match.route if match is not None and match.route else "unmatched")
-        method = request.method if request.method in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS") else OTHER
+        method = (
+            request.method if request.method in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS") else OTHER
+        )
         HTTP_REQUESTS.labels(route, method, str(response.status_code)).inc()
         HTTP_LATENCY.labels(route, method).observe(time.monotonic() - started)
         if response.status_code == 429:

@@ -14,7 +14,6 @@ HOST_EXEMPT_PATHS = ("/healthz",)
 
 
 class _Middleware(HybridMiddleware):
-
     def __call__(self, request):
         if self.is_async:
             return self._acall(request)

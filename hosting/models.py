@@ -27,7 +27,8 @@ class Tenant(models.Model):
         null=True, blank=True, help_text="Turns running at once (empty: AAP_TENANT_MAX_RUNNING_TURNS; 0: no limit)."
     )
     max_queued_turns = models.PositiveIntegerField(
-        null=True, blank=True,
+        null=True,
+        blank=True,
         help_text="Turns waiting for a worker beyond the running ones (empty: AAP_TENANT_MAX_QUEUED_TURNS).",
     )
     turns_per_minute = models.PositiveIntegerField(
@@ -37,13 +38,16 @@ class Tenant(models.Model):
         null=True, blank=True, help_text="Sessions kept at once (empty: AAP_TENANT_MAX_SESSIONS; 0: no limit)."
     )
     tokens_per_day = models.PositiveBigIntegerField(
-        null=True, blank=True,
+        null=True,
+        blank=True,
         help_text="LLM tokens (prompt + completion) per UTC day (empty: AAP_TENANT_TOKENS_PER_DAY; 0: no limit).",
     )
     # Fair scheduling (sessions_app.dispatch): free worker slots go to the tenant with the
     # fewest running turns per unit of weight.
     weight = models.PositiveSmallIntegerField(
-        default=1, db_default=1, validators=[MinValueValidator(1), MaxValueValidator(1000)],
+        default=1,
+        db_default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(1000)],
         help_text="Share of the workers when they are all busy: a tenant of weight 2 runs twice as many turns "
         "at once as a tenant of weight 1 that waits too (1-1000).",
     )

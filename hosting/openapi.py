@@ -20,8 +20,12 @@ class EventsTicketScheme(OpenApiAuthenticationExtension):
     name = "eventsTicket"
 
     def get_security_definition(self, auto_schema):
-        return {"type": "apiKey", "in": "query", "name": "ticket",
-                "description": "A turn's AAP-Events-Ticket: reads that turn's events only (EventSource)."}
+        return {
+            "type": "apiKey",
+            "in": "query",
+            "name": "ticket",
+            "description": "A turn's AAP-Events-Ticket: reads that turn's events only (EventSource).",
+        }
 
 
 OPERATION_IDS = {
@@ -42,7 +46,9 @@ ERROR = {"$ref": "#/components/schemas/Error"}
 def _error(description: str, **headers) -> dict:
     answer = {"description": description, "content": {"application/json": {"schema": ERROR}}}
     if headers:
-        answer["headers"] = {name: {"schema": {"type": "string"}, "description": text} for name, text in headers.items()}
+        answer["headers"] = {
+            name: {"schema": {"type": "string"}, "description": text} for name, text in headers.items()
+        }
     return answer
 
 
@@ -54,8 +60,11 @@ COMMON_ERRORS = {
     "503": _error("A dependency is briefly unavailable; nothing was stored.", **{"Retry-After": "Seconds to wait."}),
     "429": _error(
         "A tenant limit (details.limit names it), or too many unknown tokens from this address; nothing was stored.",
-        **{"Retry-After": "Seconds to wait.", "RateLimit-Policy": 'The turns-per-minute policy, e.g. "turns";q=600;w=60.',
-           "RateLimit": 'What remains of it and when it resets, e.g. "turns";r=597;t=42.'},
+        **{
+            "Retry-After": "Seconds to wait.",
+            "RateLimit-Policy": 'The turns-per-minute policy, e.g. "turns";q=600;w=60.',
+            "RateLimit": 'What remains of it and when it resets, e.g. "turns";r=597;t=42.',
+        },
     ),
 }
 BODY_ERRORS = {
@@ -72,10 +81,14 @@ LINKS = {
         "DeleteSession": {"operationId": "deleteSession", "parameters": {"session_id": SESSION_ID}},
     },
     ("/v1/sessions/{session_id}/turns", "post", "200"): {
-        "ReattachTurn": {"operationId": "reattachTurn",
-                         "parameters": {"session_id": "$request.path.session_id", "turn_id": TURN_ID}},
-        "CancelTurn": {"operationId": "cancelTurn",
-                       "parameters": {"session_id": "$request.path.session_id", "turn_id": TURN_ID}},
+        "ReattachTurn": {
+            "operationId": "reattachTurn",
+            "parameters": {"session_id": "$request.path.session_id", "turn_id": TURN_ID},
+        },
+        "CancelTurn": {
+            "operationId": "cancelTurn",
+            "parameters": {"session_id": "$request.path.session_id", "turn_id": TURN_ID},
+        },
     },
 }
 # Open API before 3.2 has an event stream's `schema` describe each event.
@@ -87,16 +100,27 @@ TURN_ID_HEADER = {"AAP-Turn-Id": {"schema": {"type": "string"}, "required": True
 EXAMPLES = {
     ("/v1/sessions", "post"): {
         "echo": {"summary": "A session of the demo echo agent", "value": {"agent": {"name": "echo"}}},
-        "seeded": {"summary": "With options and a seed history", "value": {
-            "agent": {"name": "echo", "options": {"style": "upper"}},
-            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                         {"role": "assistant", "content": "echo: Hi"}],
-        }},
+        "seeded": {
+            "summary": "With options and a seed history",
+            "value": {
+                "agent": {"name": "echo", "options": {"style": "upper"}},
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "echo: Hi"},
+                ],
+            },
+        },
     },
     ("/v1/sessions/{session_id}/turns", "post"): {
-        "json": {"summary": "One user message, answer as JSON", "value": {"messages": [{"role": "user", "content": "Hello"}]}},
-        "stream": {"summary": "Streamed as deltas (SSE)",
-                   "value": {"stream": "delta", "messages": [{"role": "user", "content": "Hello"}]}},
+        "json": {
+            "summary": "One user message, answer as JSON",
+            "value": {"messages": [{"role": "user", "content": "Hello"}]},
+        },
+        "stream": {
+            "summary": "Streamed as deltas (SSE)",
+            "value": {"stream": "delta", "messages": [{"role": "user", "content": "Hello"}]},
+        },
     },
 }
 META_PROPERTY = {"type": "object", "additionalProperties": True, "description": "Extra data the server ignores."}

@@ -21,8 +21,13 @@ class RedisConnections:
         # Blocking pools: a burst of turns waits for a free connection instead of failing.
         self.sync = redis.Redis(
             connection_pool=redis.BlockingConnectionPool.from_url(
-                url, max_connections=settings.REDIS_POOL_MAX, timeout=30,
-                decode_responses=True, socket_timeout=30, socket_connect_timeout=5, health_check_interval=5,
+                url,
+                max_connections=settings.REDIS_POOL_MAX,
+                timeout=30,
+                decode_responses=True,
+                socket_timeout=30,
+                socket_connect_timeout=5,
+                health_check_interval=5,
             )
         )
         self._async: dict[asyncio.AbstractEventLoop, Any] = {}
@@ -43,12 +48,20 @@ class RedisConnections:
         import redis.asyncio as aredis
 
         # No read timeout: redis-py 8 would otherwise give up on a read after 5 s.
-        return self.per_loop(self._async, lambda: aredis.Redis(
-            connection_pool=aredis.BlockingConnectionPool.from_url(
-                self.url, max_connections=settings.REDIS_POOL_MAX, timeout=30,
-                decode_responses=True, socket_timeout=None, socket_connect_timeout=5, health_check_interval=5,
-            )
-        ))
+        return self.per_loop(
+            self._async,
+            lambda: aredis.Redis(
+                connection_pool=aredis.BlockingConnectionPool.from_url(
+                    self.url,
+                    max_connections=settings.REDIS_POOL_MAX,
+                    timeout=30,
+                    decode_responses=True,
+                    socket_timeout=None,
+                    socket_connect_timeout=5,
+                    health_check_interval=5,
+                )
+            ),
+        )
 
 
 @cache

@@ -32,9 +32,10 @@ REASONS = {400: b"Bad Request", 408: b"Request Timeout", 413: b"Content Too Larg
 
 def _response(status: int, message: str) -> bytes:
     body = json.dumps({"error": message}).encode()
-    head = (
-        b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-        % (status, REASONS[status], len(body))
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (
+        status,
+        REASONS[status],
+        len(body),
     )
     return head + body
 
@@ -91,7 +92,8 @@ def install() -> None:
         # The first byte of a request starts its clock; a request being answered has none.
         if not self._handlingRequest and getattr(self, "_aap_deadline", None) is None:
             _start_deadline(
-                self, settings.AAP_REQUEST_HEADERS_TIMEOUT_SECONDS,
+                self,
+                settings.AAP_REQUEST_HEADERS_TIMEOUT_SECONDS,
                 f"The request line and headers did not arrive within {settings.AAP_REQUEST_HEADERS_TIMEOUT_SECONDS:g} seconds.",
             )
         return data_received(self, data)
@@ -100,7 +102,8 @@ def install() -> None:
         if self.length is not None and self.length > settings.AAP_MAX_BODY_BYTES:
             return refuse(self, 413, too_large_message())
         _start_deadline(
-            self, settings.AAP_REQUEST_BODY_TIMEOUT_SECONDS,
+            self,
+            settings.AAP_REQUEST_BODY_TIMEOUT_SECONDS,
             f"The request body did not arrive within {settings.AAP_REQUEST_BODY_TIMEOUT_SECONDS:g} seconds.",
         )
         return all_headers_received(self)
@@ -114,8 +117,11 @@ def install() -> None:
         return connection_lost(self, reason)
 
     def _respondToBadRequestAndDisconnect(self):
-        refuse(self, 400, "The request is not valid HTTP (malformed line, oversized headers, or a bad "
-                          "Content-Length or chunk size).")
+        refuse(
+            self,
+            400,
+            "The request is not valid HTTP (malformed line, oversized headers, or a bad Content-Length or chunk size).",
+        )
 
     def lineLengthExceeded(self, line):
         refuse(self, 400, "The request line or a header is longer than the server accepts.")

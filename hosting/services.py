@@ -15,9 +15,7 @@ class TokenNotFound(Exception):
 def token_create(*, tenant: Tenant, name: str = "", expires_at: datetime | None = None) -> tuple[ApiToken, str]:
     """Create a token; returns the row and the raw token (shown once, never stored)."""
     raw, prefix, digest = ApiToken.generate()
-    token = ApiToken.objects.create(
-        tenant=tenant, name=name, prefix=prefix, token_hash=digest, expires_at=expires_at
-    )
+    token = ApiToken.objects.create(tenant=tenant, name=name, prefix=prefix, token_hash=digest, expires_at=expires_at)
     return token, raw
 
 

@@ -61,9 +61,7 @@ def _new_fernet_key() -> str:
 
 
 SECRET_KEY = os.environ.get("SECRET_KEY") or _local_secret("secret_key", _new_secret_key)
-HOSTING_ENCRYPTION_KEYS = env_list("HOSTING_ENCRYPTION_KEYS") or [
-    _local_secret("encryption_key", _new_fernet_key)
-]
+HOSTING_ENCRYPTION_KEYS = env_list("HOSTING_ENCRYPTION_KEYS") or [_local_secret("encryption_key", _new_fernet_key)]
 
 DEBUG = env_bool("DEBUG", False)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]")
@@ -386,9 +384,11 @@ if AAP_METRICS != "off":
     MIDDLEWARE = ["hosting.metrics.RequestMetricsMiddleware", *MIDDLEWARE]
     AAP_API_MIDDLEWARE = ["hosting.metrics.RequestMetricsMiddleware", *AAP_API_MIDDLEWARE]
 # Traces are opt-in with the standard OTEL_* variables: without an OTLP endpoint nothing is set up.
-AAP_TRACING = bool(
-    os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-) and not env_bool("OTEL_SDK_DISABLED", False) and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none"
+AAP_TRACING = (
+    bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    and not env_bool("OTEL_SDK_DISABLED", False)
+    and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none"
+)
 if AAP_TRACING:
     MIDDLEWARE = ["hosting.tracing.TracingMiddleware", *MIDDLEWARE]
     AAP_API_MIDDLEWARE = ["hosting.tracing.TracingMiddleware", *AAP_API_MIDDLEWARE]

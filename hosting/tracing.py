@@ -77,8 +77,12 @@ def carry(plan, coro):
 
 
 async def _turn_span(plan, coro, parent):
-    attributes = {"aap.turn_id": plan.turn_id, "aap.agent": plan.agent_name, "aap.runtime": plan.runtime_kind,
-                  "aap.stream": plan.stream}
+    attributes = {
+        "aap.turn_id": plan.turn_id,
+        "aap.agent": plan.agent_name,
+        "aap.runtime": plan.runtime_kind,
+        "aap.stream": plan.stream,
+    }
     with _tracer().start_as_current_span("aap.turn", context=parent, attributes=attributes) as span:
         outcome = await coro
         span.set_attribute("aap.stop_reason", outcome.stop_reason)

@@ -33,7 +33,11 @@ urlpatterns = [
     path("v1/sessions/<id:session_id>/turns/<id:turn_id>/events", aap.TurnEventsView.as_view(), name="aap-turn-events"),
     path("v1/sessions/<id:session_id>/turns/<id:turn_id>/cancel", aap.TurnCancelView.as_view(), name="aap-turn-cancel"),
     # The JSON view: the plain one answers YAML unless the client asks for JSON.
-    path("v1/openapi.json", SpectacularJSONAPIView.as_view(authentication_classes=[], permission_classes=[]), name="openapi"),
+    path(
+        "v1/openapi.json",
+        SpectacularJSONAPIView.as_view(authentication_classes=[], permission_classes=[]),
+        name="openapi",
+    ),
     path(
         "v1/docs",
         # The split view serves its start-up script as a file: the page needs no inline script (CSP).

@@ -27,5 +27,7 @@ def healthz(request):
     else:
         checks["redis"] = "not configured (embedded mode)"
     if failed:
-        return JsonResponse({"status": "unhealthy", "error": f"Unreachable: {', '.join(failed)}.", "checks": checks}, status=503)
+        return JsonResponse(
+            {"status": "unhealthy", "error": f"Unreachable: {', '.join(failed)}.", "checks": checks}, status=503
+        )
     return JsonResponse({"status": "ok", "checks": checks})

@@ -36,8 +36,14 @@ def _blocks(content) -> list[dict]:
         if kind in ("text", "thinking"):
             blocks.append({"type": kind, "text": block.get(kind, "")})
         elif kind == "tool_use":
-            blocks.append({"type": "tool_use", "name": block.get("name", ""), "id": block.get("toolCallId", ""),
-                           "input": json.dumps(block.get("input", {}), indent=2, ensure_ascii=False)})
+            blocks.append(
+                {
+                    "type": "tool_use",
+                    "name": block.get("name", ""),
+                    "id": block.get("toolCallId", ""),
+                    "input": json.dumps(block.get("input", {}), indent=2, ensure_ascii=False),
+                }
+            )
         elif kind == "image":
             url = str(block.get("url", ""))
             blocks.append({"type": "image", "text": url if url.startswith("http") else url.split(",", 1)[0] + ",…"})
@@ -57,12 +63,14 @@ def conversation(session: Session) -> list[dict]:
             data = json.loads(message.data)
         except ValueError:
             data = {"role": message.role, "content": message.data}
-        groups[-1]["messages"].append({
-            "seq": message.seq,
-            "role": data.get("role", message.role),
-            "tool_call_id": data.get("toolCallId", ""),
-            "blocks": _blocks(data.get("content", "")),
-        })
+        groups[-1]["messages"].append(
+            {
+                "seq": message.seq,
+                "role": data.get("role", message.role),
+                "tool_call_id": data.get("toolCallId", ""),
+                "blocks": _blocks(data.get("content", "")),
+            }
+        )
     return groups
 
 
@@ -71,13 +79,26 @@ class SessionAdmin(admin.ModelAdmin):
     list_display = ("public_id", "tenant", "agent", "created_at", "llm_usage")
     list_filter = ("agent", "tenant")
     search_fields = ("public_id",)
-    readonly_fields = ("public_id", "tenant", "agent", "redacted_options", "server_tools", "client_tools",
-                       "pending_calls", "active_turn", "llm_usage", "created_at", "conversation")
+    readonly_fields = (
+        "public_id",
+        "tenant",
+        "agent",
+        "redacted_options",
+        "server_tools",
+        "client_tools",
+        "pending_calls",
+        "active_turn",
+        "llm_usage",
+        "created_at",
+        "conversation",
+    )
     fieldsets = (
         (None, {"fields": ("public_id", "tenant", "agent", "created_at", "active_turn", "llm_usage")}),
         ("Conversation", {"fields": ("conversation",)}),
-        ("Settings of the session", {"classes": ("collapse",), "fields": (
-            "redacted_options", "server_tools", "client_tools", "pending_calls")}),
+        (
+            "Settings of the session",
+            {"classes": ("collapse",), "fields": ("redacted_options", "server_tools", "client_tools", "pending_calls")},
+        ),
     )
     inlines = [TurnInline]
 
@@ -110,8 +131,20 @@ class TurnAdmin(admin.ModelAdmin):
     list_filter = ("status", "stop_reason")
     search_fields = ("id", "session__public_id")
     exclude = ("permissions", "prompt_tokens", "completion_tokens")
-    readonly_fields = ("id", "session", "status", "stream", "stop_reason", "cancelled", "error", "llm_usage",
-                       "model_calls", "created_at", "started_at", "finished_at")
+    readonly_fields = (
+        "id",
+        "session",
+        "status",
+        "stream",
+        "stop_reason",
+        "cancelled",
+        "error",
+        "llm_usage",
+        "model_calls",
+        "created_at",
+        "started_at",
+        "finished_at",
+    )
 
     @admin.display(description="LLM usage (tokens)")
     def llm_usage(self, obj):

@@ -9,8 +9,8 @@ transaction rolls back). Turns per minute are a Redis window (hosting.limits).
 
 from __future__ import annotations
 
-from datetime import datetime, time as dt_time, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime, timedelta
+from datetime import time as dt_time
 
 from django.conf import settings
 from django.db import connection
@@ -52,7 +52,7 @@ def active_turns(tenant) -> dict[str, int]:
 
 def tokens_today(tenant) -> int:
     """LLM tokens (prompt + completion) of the tenant's turns started this UTC day."""
-    midnight = datetime.combine(timezone.now().astimezone(dt_timezone.utc).date(), dt_time.min, dt_timezone.utc)
+    midnight = datetime.combine(timezone.now().astimezone(UTC).date(), dt_time.min, UTC)
     total = Turn.objects.filter(session__tenant_id=tenant.pk, created_at__gte=midnight).aggregate(
         n=Sum(F("prompt_tokens") + F("completion_tokens"))
     )["n"]
@@ -60,8 +60,8 @@ def tokens_today(tenant) -> int:
 
 
 def _seconds_to_midnight() -> float:
-    now = timezone.now().astimezone(dt_timezone.utc)
-    tomorrow = datetime.combine(now.date() + timedelta(days=1), dt_time.min, dt_timezone.utc)
+    now = timezone.now().astimezone(UTC)
+    tomorrow = datetime.combine(now.date() + timedelta(days=1), dt_time.min, UTC)
     return (tomorrow - now).total_seconds()
 
 

@@ -21,8 +21,8 @@ its session. A second delivery is harmless: a worker claims a turn once
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
 

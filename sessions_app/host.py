@@ -241,7 +241,9 @@ class HostContext:
         return outcomes
 
     def request_permission(self, call: ToolCall) -> None:
-        self.pending.append({"toolCallId": call.toolCallId, "name": call.name, "input": call.input, "kind": "permission"})
+        self.pending.append(
+            {"toolCallId": call.toolCallId, "name": call.name, "input": call.input, "kind": "permission"}
+        )
 
     def set_compacted(self, compaction: Compaction) -> None:
         self.compaction = compaction

@@ -49,8 +49,11 @@ def remember(tenant, idempotency: tuple[str, str] | None, session_public_id: str
     """Store the key with what the request created (inside the creating transaction)."""
     if idempotency is not None:
         IdempotencyKey.objects.create(
-            tenant=tenant, key=idempotency[0], fingerprint=idempotency[1],
-            session_public_id=session_public_id, turn_id=turn_id,
+            tenant=tenant,
+            key=idempotency[0],
+            fingerprint=idempotency[1],
+            session_public_id=session_public_id,
+            turn_id=turn_id,
         )
 
 

@@ -52,9 +52,7 @@ class Session(models.Model):
     server_tools = OrderedJSONField(null=True, blank=True)
     client_tools = OrderedJSONField(null=True, blank=True)
     pending_calls = models.JSONField(default=list, blank=True)
-    active_turn = models.ForeignKey(
-        "Turn", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
+    active_turn = models.ForeignKey("Turn", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     message_seq = models.BigIntegerField(default=0)
     prompt_tokens = models.BigIntegerField(default=0)
     completion_tokens = models.BigIntegerField(default=0)
@@ -82,9 +80,7 @@ class Message(models.Model):
     turn = models.ForeignKey("Turn", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
 
     class Meta:
-        constraints = [
-            models.UniqueConstraint(fields=["session", "kind", "seq"], name="unique_message_position")
-        ]
+        constraints = [models.UniqueConstraint(fields=["session", "kind", "seq"], name="unique_message_position")]
 
     def __str__(self) -> str:
         return f"{self.session_id}/{self.kind}/{self.seq}"

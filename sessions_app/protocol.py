@@ -66,7 +66,6 @@ class StrictBooleanField(serializers.BooleanField):
 # other property is refused, as the OpenAPI document says (hosting.openapi: additionalProperties
 # false). A comment, not a docstring: the document would show it on every request shape.
 class StrictSerializer(serializers.Serializer):
-
     def to_internal_value(self, data):
         if isinstance(data, dict):
             unknown = sorted(str(key) for key in data if key not in self.fields and key != "_meta")
@@ -131,8 +130,11 @@ META = {"type": "object", "additionalProperties": True, "description": "Extra da
 TOOL_CALL_ID = {"type": "string", "minLength": 1, "maxLength": 200}
 IMAGE_URL_PATTERN = r"^(https://[\s\S]+|data:[\w.+-]+/[\w.+-]+;base64,[A-Za-z0-9+/=\s]+)$"
 ROLE_SCHEMAS = {
-    "system": "SystemMessage", "user": "UserMessage", "assistant": "AssistantMessage",
-    "tool": "ToolMessage", "tool_permission": "ToolPermissionMessage",
+    "system": "SystemMessage",
+    "user": "UserMessage",
+    "assistant": "AssistantMessage",
+    "tool": "ToolMessage",
+    "tool_permission": "ToolPermissionMessage",
 }
 BLOCK_SCHEMAS = {"text": "TextBlock", "thinking": "ThinkingBlock", "tool_use": "ToolUseBlock", "image": "ImageBlock"}
 
@@ -154,7 +156,12 @@ def _object(required: dict, optional: dict | None = None, description: str = "")
 
 
 def content_schema(block_types) -> dict:
-    return {"oneOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": [ref(BLOCK_SCHEMAS[t]) for t in block_types]}}]}
+    return {
+        "oneOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"oneOf": [ref(BLOCK_SCHEMAS[t]) for t in block_types]}},
+        ]
+    }
 
 
 def message_schema(roles) -> dict:
@@ -169,42 +176,66 @@ def _event(name: str, required: dict | None = None, description: str = "") -> di
 def sse_event_schema() -> dict:
     """One Server-Sent Event of a turn: `id:`, `event:` and `data:` (JSON of that event's shape).
     Open API before 3.2 has a stream's `schema` describe each event."""
-    return {"oneOf": [
-        {
-            "type": "object",
-            "required": ["event", "data"],
-            "properties": {
-                "id": {"type": "string", "pattern": "^[0-9]+$"},
-                "event": {"type": "string", "enum": [name]},
-                "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": ref(component)},
-            },
-        }
-        for name, component in EVENT_SCHEMAS.items()
-    ]}
+    return {
+        "oneOf": [
+            {
+                "type": "object",
+                "required": ["event", "data"],
+                "properties": {
+                    "id": {"type": "string", "pattern": "^[0-9]+$"},
+                    "event": {"type": "string", "enum": [name]},
+                    "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": ref(component)},
+                },
+            }
+            for name, component in EVENT_SCHEMAS.items()
+        ]
+    }
 
 
 WIRE_SCHEMAS = {
     "TextBlock": _object({"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}),
     "ThinkingBlock": _object({"type": {"type": "string", "enum": ["thinking"]}, "thinking": {"type": "string"}}),
-    "ToolUseBlock": _object({
-        "type": {"type": "string", "enum": ["tool_use"]}, "toolCallId": TOOL_CALL_ID,
-        "name": {"type": "string", "minLength": 1, "maxLength": 64}, "input": {"type": "object"},
-    }),
-    "ImageBlock": _object({
-        "type": {"type": "string", "enum": ["image"]},
-        "url": {"type": "string", "pattern": IMAGE_URL_PATTERN, "description": "https://... or data:<mime>;base64,..."},
-    }),
+    "ToolUseBlock": _object(
+        {
+            "type": {"type": "string", "enum": ["tool_use"]},
+            "toolCallId": TOOL_CALL_ID,
+            "name": {"type": "string", "minLength": 1, "maxLength": 64},
+            "input": {"type": "object"},
+        }
+    ),
+    "ImageBlock": _object(
+        {
+            "type": {"type": "string", "enum": ["image"]},
+            "url": {
+                "type": "string",
+                "pattern": IMAGE_URL_PATTERN,
+                "description": "https://... or data:<mime>;base64,...",
+            },
+        }
+    ),
     "SystemMessage": _object({"role": {"type": "string", "enum": ["system"]}, "content": {"type": "string"}}),
-    "UserMessage": _object({"role": {"type": "string", "enum": ["user"]}, "content": content_schema(("text", "image"))}),
-    "AssistantMessage": _object({
-        "role": {"type": "string", "enum": ["assistant"]}, "content": content_schema(("text", "thinking", "tool_use")),
-    }),
-    "ToolMessage": _object({
-        "role": {"type": "string", "enum": ["tool"]}, "toolCallId": TOOL_CALL_ID,
-        "content": content_schema(("text", "image")),
-    }),
+    "UserMessage": _object(
+        {"role": {"type": "string", "enum": ["user"]}, "content": content_schema(("text", "image"))}
+    ),
+    "AssistantMessage": _object(
+        {
+            "role": {"type": "string", "enum": ["assistant"]},
+            "content": content_schema(("text", "thinking", "tool_use")),
+        }
+    ),
+    "ToolMessage": _object(
+        {
+            "role": {"type": "string", "enum": ["tool"]},
+            "toolCallId": TOOL_CALL_ID,
+            "content": content_schema(("text", "image")),
+        }
+    ),
     "ToolPermissionMessage": _object(
-        {"role": {"type": "string", "enum": ["tool_permission"]}, "toolCallId": TOOL_CALL_ID, "granted": {"type": "boolean"}},
+        {
+            "role": {"type": "string", "enum": ["tool_permission"]},
+            "toolCallId": TOOL_CALL_ID,
+            "granted": {"type": "boolean"},
+        },
         {"reason": {"type": "string", "maxLength": 2000}},
     ),
     "HistoryMessage": message_schema(("system", "user", "assistant", "tool")),
@@ -225,7 +256,8 @@ WIRE_SCHEMAS |= {
         "tool_result", {"toolCallId": TOOL_CALL_ID, "content": content_schema(("text", "image"))}, "Server tools only."
     ),
     "TurnStopEvent": _event(
-        "turn_stop", {"stopReason": {"type": "string", "enum": list(STOP_REASONS)}},
+        "turn_stop",
+        {"stopReason": {"type": "string", "enum": list(STOP_REASONS)}},
         "Always last; `_meta` may carry `error`, `cancelled` and `usage`.",
     ),
 }
@@ -403,9 +435,7 @@ class ServerToolRefSerializer(StrictSerializer):
 class AgentConfigSerializer(StrictSerializer):
     name = StrictCharField(max_length=100, required=False)
     tools = ServerToolRefSerializer(many=True, required=False)
-    options = serializers.DictField(
-        child=StrictCharField(allow_blank=True, trim_whitespace=False), required=False
-    )
+    options = serializers.DictField(child=StrictCharField(allow_blank=True, trim_whitespace=False), required=False)
 
 
 class CreateSessionSerializer(StrictSerializer):
@@ -423,7 +453,9 @@ class TurnRequestSerializer(StrictSerializer):
     agent = AgentConfigSerializer(required=False)
     stream = serializers.ChoiceField(STREAM_MODES, required=False, default="none")
     messages = serializers.ListField(
-        child=MessageField(roles=APPLICATION_ROLES), allow_empty=False, min_length=1,
+        child=MessageField(roles=APPLICATION_ROLES),
+        allow_empty=False,
+        min_length=1,
         help_text="One user message, or one answer per pending tool call.",
     )
     tools = ToolSpecSerializer(many=True, required=False)
@@ -479,7 +511,9 @@ WIRE_SCHEMAS["AgentOption"] = {
     "type": "object",
     "properties": {
         "type": {"type": "string", "enum": ["text", "secret", "select"]},
-        "name": {"type": "string"}, "title": {"type": "string"}, "description": {"type": "string"},
+        "name": {"type": "string"},
+        "title": {"type": "string"},
+        "description": {"type": "string"},
         "default": {"type": "string", "description": 'For a secret: "***" when the operator stored one, else "".'},
         "options": {"type": "array", "items": {"type": "string"}, "description": "The choices of a select."},
     },
@@ -488,11 +522,16 @@ WIRE_SCHEMAS["AgentOption"] = {
 WIRE_SCHEMAS["AgentInfo"] = {
     "type": "object",
     "properties": {
-        "name": {"type": "string"}, "title": {"type": "string"}, "version": {"type": "string"},
+        "name": {"type": "string"},
+        "title": {"type": "string"},
+        "version": {"type": "string"},
         "description": {"type": "string"},
         "tools": {"type": "array", "items": ref("ToolSpec"), "description": "The server tools it exposes."},
         "options": {"type": "array", "items": ref("AgentOption")},
-        "capabilities": {"type": "object", "description": "history, stream, application, image: a missing key is unsupported."},
+        "capabilities": {
+            "type": "object",
+            "description": "history, stream, application, image: a missing key is unsupported.",
+        },
     },
     "required": ["name", "version"],
 }
@@ -504,17 +543,21 @@ class MetaSerializer(serializers.Serializer):
 
 
 class HistorySerializer(serializers.Serializer):
-    history = DocumentedField({
-        "type": "object",
-        "properties": {kind: {"type": "array", "items": ref("HistoryMessage")} for kind in HISTORY_TYPES},
-        "description": "One key: the type asked for.",
-    })
+    history = DocumentedField(
+        {
+            "type": "object",
+            "properties": {kind: {"type": "array", "items": ref("HistoryMessage")} for kind in HISTORY_TYPES},
+            "description": "One key: the type asked for.",
+        }
+    )
 
 
 class TurnResponseSerializer(serializers.Serializer):
     stopReason = serializers.ChoiceField(STOP_REASONS)
     messages = DocumentedField({"type": "array", "items": ref("AgentMessage")})
-    _meta = DocumentedField({"type": "object", "description": "turnId; usage, error, cancelled when they apply."}, required=False)
+    _meta = DocumentedField(
+        {"type": "object", "description": "turnId; usage, error, cancelled when they apply."}, required=False
+    )
 
 
 class TurnCancelSerializer(serializers.Serializer):

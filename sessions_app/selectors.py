@@ -55,10 +55,7 @@ def decode_cursor(cursor: str) -> int:
 def sessions_page(tenant, *, after: str | None, limit: int) -> dict:
     """Newest first; the cursor is the last row's key, so inserts never shift a page."""
     qs = (
-        Session.objects.filter(tenant=tenant)
-        .select_related("agent")
-        .prefetch_related("agent__options")
-        .order_by("-pk")
+        Session.objects.filter(tenant=tenant).select_related("agent").prefetch_related("agent__options").order_by("-pk")
     )
     if after:
         qs = qs.filter(pk__lt=decode_cursor(after))
@@ -188,7 +185,9 @@ def usage_by_tenant(*, start, end) -> list[dict]:
         Turn.objects.filter(created_at__gte=start, created_at__lt=end)
         .values(tenant=F("session__tenant__name"))
         .annotate(
-            turns=Count("id"), prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"),
+            turns=Count("id"),
+            prompt=Sum("prompt_tokens"),
+            completion=Sum("completion_tokens"),
             calls=Sum("model_calls"),
             seconds=Sum(ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())),
         )

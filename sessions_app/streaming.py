@@ -37,7 +37,9 @@ _token_active = on_web_threads(token_is_active)
 _queued_place = on_web_threads(dispatch.queued_place)
 # Yielded by _follow when the stream's API token was revoked (or expired) meanwhile.
 REVOKED = object()
-REVOKED_SENTENCE = "The API token of this stream was revoked or expired; the turn goes on, re-attach with a valid token."
+REVOKED_SENTENCE = (
+    "The API token of this stream was revoked or expired; the turn goes on, re-attach with a valid token."
+)
 
 
 class StreamInterrupted(Exception):

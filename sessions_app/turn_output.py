@@ -55,8 +55,7 @@ class OutputBudget:
         self.bytes += _output_size(event)
         if self.max_bytes and self.bytes > self.max_bytes:
             raise self._over(
-                f"The agent's answer passed this service's limit of {self.max_bytes} bytes per turn; "
-                "it was cut there."
+                f"The agent's answer passed this service's limit of {self.max_bytes} bytes per turn; it was cut there."
             )
 
     def add_entry(self) -> None:

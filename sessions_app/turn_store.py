@@ -83,8 +83,17 @@ _AGENT_ALLOWED = (
 def _session_row(row) -> SessionRow:
     pk, public_id, agent_id, revision, options, server_tools, client_tools, pending, seq, active, allowed = row
     return SessionRow(
-        pk, public_id, agent_id, revision, _json(options) or {}, _json(server_tools), _json(client_tools),
-        _json(pending) or [], seq, active, bool(allowed),
+        pk,
+        public_id,
+        agent_id,
+        revision,
+        _json(options) or {},
+        _json(server_tools),
+        _json(client_tools),
+        _json(pending) or [],
+        seq,
+        active,
+        bool(allowed),
     )
 
 
@@ -125,7 +134,9 @@ def session_for_turn(session_pk: int) -> TurnSession | None:
     if row is None:
         return None
     public_id, tenant, agent_id, revision, options, server_tools, client_tools = row
-    return TurnSession(public_id, tenant, agent_id, revision, _json(options) or {}, _json(server_tools), _json(client_tools))
+    return TurnSession(
+        public_id, tenant, agent_id, revision, _json(options) or {}, _json(server_tools), _json(client_tools)
+    )
 
 
 def update_session(session_pk: int, **fields) -> None:
@@ -141,8 +152,9 @@ def update_session(session_pk: int, **fields) -> None:
         cursor.execute(f"UPDATE {S} SET {', '.join(columns)} WHERE id = %s", [*params, session_pk])
 
 
-def close_turn_on_session(session_pk: int, *, added: int, pending_calls: list, prompt_tokens: int,
-                          completion_tokens: int) -> int | None:
+def close_turn_on_session(
+    session_pk: int, *, added: int, pending_calls: list, prompt_tokens: int, completion_tokens: int
+) -> int | None:
     """After a turn: reserve `added` message positions, store the pending calls and usage,
     clear the active turn. Returns the new last position (None: the session is gone).
     The UPDATE locks the row, so concurrent writers of the session's history queue here."""
@@ -151,8 +163,14 @@ def close_turn_on_session(session_pk: int, *, added: int, pending_calls: list, p
             f"UPDATE {S} SET message_seq = message_seq + %s, pending_calls = %s, active_turn_id = NULL, "
             f"prompt_tokens = prompt_tokens + %s, completion_tokens = completion_tokens + %s, updated_at = %s "
             f"WHERE id = %s RETURNING message_seq",
-            [added, _json_param(Session, "pending_calls", pending_calls), prompt_tokens, completion_tokens,
-             _now(), session_pk],
+            [
+                added,
+                _json_param(Session, "pending_calls", pending_calls),
+                prompt_tokens,
+                completion_tokens,
+                _now(),
+                session_pk,
+            ],
         )
         row = cursor.fetchone()
     return row[0] if row else None
@@ -169,8 +187,16 @@ def insert_turn(turn_id: str, session_pk: int, stream: str, permissions: list, *
             f"INSERT INTO {T} (id, session_id, status, stream, stop_reason, cancelled, permissions, error, "
             f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq, dispatched_at) "
             f"VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0, %s)",
-            [turn_id, session_pk, Turn.QUEUED, stream, False, _json_param(Turn, "permissions", permissions), now,
-             now if dispatched else None],
+            [
+                turn_id,
+                session_pk,
+                Turn.QUEUED,
+                stream,
+                False,
+                _json_param(Turn, "permissions", permissions),
+                now,
+                now if dispatched else None,
+            ],
         )
 
 
@@ -193,8 +219,17 @@ def claim_turn(turn_id: str) -> ClaimedTurn | None:
     return ClaimedTurn(row[0], row[1], _json(row[2]) or []) if row else None
 
 
-def end_turn(turn_id: str, *, stop_reason: str, cancelled: bool, error: str, prompt_tokens: int,
-             completion_tokens: int, model_calls: int, produced: bool = False) -> bool:
+def end_turn(
+    turn_id: str,
+    *,
+    stop_reason: str,
+    cancelled: bool,
+    error: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    model_calls: int,
+    produced: bool = False,
+) -> bool:
     """running -> done; False when it was no longer running (declared lost, or deleted).
 
     `produced`: the turn's output is about to be appended to its session, so its first
@@ -206,8 +241,19 @@ def end_turn(turn_id: str, *, stop_reason: str, cancelled: bool, error: str, pro
             f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, partial = '', "
             f"output_seq = CASE WHEN %s THEN (SELECT message_seq + 1 FROM {S} WHERE id = {T}.session_id) ELSE 0 END "
             f"WHERE id = %s AND status = %s",
-            [Turn.DONE, stop_reason, cancelled, error, _now(), prompt_tokens, completion_tokens, model_calls,
-             produced, turn_id, Turn.RUNNING],
+            [
+                Turn.DONE,
+                stop_reason,
+                cancelled,
+                error,
+                _now(),
+                prompt_tokens,
+                completion_tokens,
+                model_calls,
+                produced,
+                turn_id,
+                Turn.RUNNING,
+            ],
         )
         return cursor.rowcount > 0
 
@@ -241,8 +287,9 @@ def turn_output(turn_id: str, session_pk: int, output_seq: int) -> list[dict]:
 # --- history ----------------------------------------------------------------------------------
 
 
-def insert_messages(session_pk: int, first_seq: int, messages: list[dict], *, turn_id: str | None = None,
-                    compacted_from: int = 0) -> list[int]:
+def insert_messages(
+    session_pk: int, first_seq: int, messages: list[dict], *, turn_id: str | None = None, compacted_from: int = 0
+) -> list[int]:
     """Store messages at positions first_seq, first_seq + 1, ... in full history, and those
     from index `compacted_from` on in compacted history too. Returns their positions."""
     rows = []
@@ -321,8 +368,14 @@ def room_for(turn_id: str, tenant_id: int, workers_seen_since: datetime) -> tupl
             f"THEN 1 ELSE 0 END), 0), "
             f"(SELECT COALESCE(SUM(concurrency), 0) FROM {W} WHERE seen_at >= %s) "
             f"FROM {T} t JOIN {S} s ON s.id = t.session_id WHERE {_ACTIVE}",
-            [Turn.RUNNING, Turn.QUEUED, turn_id, Turn.RUNNING, tenant_id,
-             connection.ops.adapt_datetimefield_value(workers_seen_since)],
+            [
+                Turn.RUNNING,
+                Turn.QUEUED,
+                turn_id,
+                Turn.RUNNING,
+                tenant_id,
+                connection.ops.adapt_datetimefield_value(workers_seen_since),
+            ],
         )
         row = cursor.fetchone()
     return tuple(int(value or 0) for value in row)  # type: ignore[return-value]

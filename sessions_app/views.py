@@ -32,7 +32,9 @@ ERRORS = {
 
 
 IDEMPOTENCY_KEY = OpenApiParameter(
-    "Idempotency-Key", {"type": "string", "minLength": 1, "maxLength": 255}, OpenApiParameter.HEADER,
+    "Idempotency-Key",
+    {"type": "string", "minLength": 1, "maxLength": 255},
+    OpenApiParameter.HEADER,
     description="Makes a retry safe: the same key and request get the same session or turn back; "
     "the same key with another request is 422.",
 )
@@ -137,8 +139,12 @@ TURN_RESPONSES = {
 
 
 class TurnsView(APIView):
-    @extend_schema(summary="Send a turn", request=protocol.TurnRequestSerializer, parameters=[IDEMPOTENCY_KEY],
-                   responses={**TURN_RESPONSES, **RETRY_ERRORS})
+    @extend_schema(
+        summary="Send a turn",
+        request=protocol.TurnRequestSerializer,
+        parameters=[IDEMPOTENCY_KEY],
+        responses={**TURN_RESPONSES, **RETRY_ERRORS},
+    )
     def post(self, request, session_id):
         data = _validated(protocol.TurnRequestSerializer, request.data)
         turn = turns.turn_start(
@@ -164,12 +170,20 @@ class TurnEventsView(APIView):
     @extend_schema(
         summary="Re-attach to a turn's events",
         parameters=[
-            OpenApiParameter("Last-Event-ID", {"type": "integer", "minimum": 0, "maximum": 10**18 - 1}, OpenApiParameter.HEADER,
-                             description="The id of the last event received (default 0: from the start)."),
-            OpenApiParameter("after", {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
-                             description="Same as Last-Event-ID, for clients that cannot set headers."),
             OpenApiParameter(
-                "ticket", OpenApiTypes.STR,
+                "Last-Event-ID",
+                {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
+                OpenApiParameter.HEADER,
+                description="The id of the last event received (default 0: from the start).",
+            ),
+            OpenApiParameter(
+                "after",
+                {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
+                description="Same as Last-Event-ID, for clients that cannot set headers.",
+            ),
+            OpenApiParameter(
+                "ticket",
+                OpenApiTypes.STR,
                 description="The turn's `AAP-Events-Ticket` header, for clients that cannot send "
                 "`Authorization` (a browser's EventSource). Valid for this turn only.",
             ),
@@ -197,11 +211,15 @@ class TurnEventsView(APIView):
             if last[1].get("event") == "turn_stop" and last[0] <= after:
                 # The reader has everything: 204 tells an EventSource to stop reconnecting.
                 return Response(status=status.HTTP_204_NO_CONTENT)
-        return turn_response(turn.id, "delta" if turn.stream == "delta" else "message", after=after, token_id=request.auth.pk)
+        return turn_response(
+            turn.id, "delta" if turn.stream == "delta" else "message", after=after, token_id=request.auth.pk
+        )
 
 
 class TurnCancelView(APIView):
-    @extend_schema(summary="Cancel a running turn", request=None, responses={202: protocol.TurnCancelSerializer, **ERRORS})
+    @extend_schema(
+        summary="Cancel a running turn", request=None, responses={202: protocol.TurnCancelSerializer, **ERRORS}
+    )
     def post(self, request, session_id, turn_id):
         turn = turns.turn_cancel(tenant=request.user.tenant, session_id=session_id, turn_id=turn_id)
         return Response({"turnId": turn.id, "cancelling": turn.status != Turn.DONE}, status=status.HTTP_202_ACCEPTED)
@@ -213,8 +231,12 @@ class UsageView(APIView):
     @extend_schema(
         summary="Your usage: turns, model tokens and turn time",
         parameters=[
-            OpenApiParameter("from", OpenApiTypes.STR, description="Date or RFC 3339 time (default: 30 days before `to`)."),
-            OpenApiParameter("to", OpenApiTypes.STR, description="Exclusive end, date or RFC 3339 time (default: now)."),
+            OpenApiParameter(
+                "from", OpenApiTypes.STR, description="Date or RFC 3339 time (default: 30 days before `to`)."
+            ),
+            OpenApiParameter(
+                "to", OpenApiTypes.STR, description="Exclusive end, date or RFC 3339 time (default: now)."
+            ),
             OpenApiParameter("groupBy", OpenApiTypes.STR, enum=list(selectors.USAGE_GROUPS)),
         ],
         responses={200: OpenApiTypes.OBJECT, **ERRORS},

@@ -70,7 +70,8 @@ def pg_stack(django_db_setup, django_db_blocker, log_dir, tmp_path_factory):
     # sandboxed agents run as uids of their own and must traverse to their workspaces.
     workspaces = Path(tempfile.mkdtemp(prefix="aap-workspaces-"))
     stack = Stack(
-        "pg", {**TEST_ENV, "DATABASE_URL": test_db_url, "REDIS_URL": redis_url, "AAP_WORKSPACE_ROOT": str(workspaces)},
+        "pg",
+        {**TEST_ENV, "DATABASE_URL": test_db_url, "REDIS_URL": redis_url, "AAP_WORKSPACE_ROOT": str(workspaces)},
         log_dir,
     )
     try:
@@ -88,8 +89,14 @@ def embedded_stack(tmp_path_factory, log_dir):
     var = Path(tempfile.mkdtemp(prefix="aap-embedded-var-"))  # see pg_stack's workspaces
     stack = Stack(
         "embedded",
-        {**TEST_ENV, "DATABASE_URL": "", "REDIS_URL": "", "HOSTING_VAR_DIR": str(var),
-         "SECRET_KEY": "", "HOSTING_ENCRYPTION_KEYS": ""},
+        {
+            **TEST_ENV,
+            "DATABASE_URL": "",
+            "REDIS_URL": "",
+            "HOSTING_VAR_DIR": str(var),
+            "SECRET_KEY": "",
+            "HOSTING_ENCRYPTION_KEYS": "",
+        },
         log_dir,
     )
     try:
@@ -144,8 +151,13 @@ def pytest_collection_modifyitems(items):
 CHROMIUM = os.environ.get("AAP_CHROMIUM", "/usr/bin/chromium")
 # Flags for a headless Chromium on a machine without a network beyond loopback.
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-    "--disable-background-networking", "--disable-component-update",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-sync",
+    "--disable-background-networking",
+    "--disable-component-update",
 ]
 
 

@@ -28,8 +28,12 @@ BIN = Path(PYTHON).parent
 
 
 @contextmanager
-def serve_pages(pages: dict[str, tuple[bytes, dict[str, str]]], *, default: tuple[bytes, dict[str, str]] | None = None,
-                host: str = "127.0.0.1"):
+def serve_pages(
+    pages: dict[str, tuple[bytes, dict[str, str]]],
+    *,
+    default: tuple[bytes, dict[str, str]] | None = None,
+    host: str = "127.0.0.1",
+):
     """A static HTTP server on a free port for the duration of the block; yields its base
     URL. `pages` maps a path to (body, headers); any other path gets `default`, or a 404.
     Content-Length is added."""
@@ -57,8 +61,15 @@ def serve_pages(pages: dict[str, tuple[bytes, dict[str, str]]], *, default: tupl
         server.server_close()
 
 
-def llm_agent(name: str, base_url: str, *, api_key: str | None = None, config: dict | None = None,
-              streams: tuple[str, ...] = ("delta", "none"), **more) -> dict:
+def llm_agent(
+    name: str,
+    base_url: str,
+    *,
+    api_key: str | None = None,
+    config: dict | None = None,
+    streams: tuple[str, ...] = ("delta", "none"),
+    **more,
+) -> dict:
     """An `openai` agent definition (apply_agents format) served by a fake model at `base_url`."""
     options = [{"type": "text", "name": "model", "default": "fake-model"}]
     if api_key is not None:
@@ -161,7 +172,9 @@ def fold_events(events: list[dict]) -> list[dict]:
             joining = None
         elif kind == "tool_call":
             blocks = blocks if blocks is not None else []
-            blocks.append({"type": "tool_use", "toolCallId": ev["toolCallId"], "name": ev["name"], "input": ev["input"]})
+            blocks.append(
+                {"type": "tool_use", "toolCallId": ev["toolCallId"], "name": ev["name"], "input": ev["input"]}
+            )
             joining = None
         elif kind == "tool_result":
             if blocks:
@@ -247,7 +260,9 @@ class AAP:
         assert response.status_code == 200, response.text
         return response.json()["history"][kind]
 
-    def turn(self, session_id: str, messages=None, *, stream: str = "none", text: str | None = None, **body) -> TurnResult:
+    def turn(
+        self, session_id: str, messages=None, *, stream: str = "none", text: str | None = None, **body
+    ) -> TurnResult:
         if text is not None:
             messages = [{"role": "user", "content": text}]
         payload = {"messages": messages, **body}
@@ -295,8 +310,13 @@ class Stack:
 
     def manage(self, *args: str, input: str | None = None) -> str:
         result = subprocess.run(
-            [PYTHON, str(ROOT / "manage.py"), *args], env=self.env, cwd=ROOT, capture_output=True, text=True,
-            input=input, timeout=120,
+            [PYTHON, str(ROOT / "manage.py"), *args],
+            env=self.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            input=input,
+            timeout=120,
         )
         if result.returncode != 0:
             raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
@@ -314,10 +334,14 @@ class Stack:
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{self.name}-{name}.log", "ab")
-        return subprocess.Popen(argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def start_web(self) -> None:
-        self.web = self._spawn("daphne", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "hosting.asgi:application"])
+        self.web = self._spawn(
+            "daphne", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "hosting.asgi:application"]
+        )
         self.wait_healthy()
 
     def start_worker(self) -> None:
@@ -330,9 +354,25 @@ class Stack:
         node = f"{self.name}-{label}-{time.time_ns()}"
         proc = self._spawn(
             label,
-            [str(BIN / "celery"), "-A", "hosting", "worker", "--pool", "threads", "--concurrency", str(threads),
-             "-Q", "aap-turns", "--loglevel", "INFO", "-n", f"{node}@%h", "--without-gossip",
-             "--without-mingle", "--without-heartbeat"],
+            [
+                str(BIN / "celery"),
+                "-A",
+                "hosting",
+                "worker",
+                "--pool",
+                "threads",
+                "--concurrency",
+                str(threads),
+                "-Q",
+                "aap-turns",
+                "--loglevel",
+                "INFO",
+                "-n",
+                f"{node}@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
         )
         log_path = self.log_dir / f"{self.name}-{label}.log"
         deadline = time.monotonic() + timeout
@@ -347,7 +387,9 @@ class Stack:
         raise RuntimeError(f"celery worker {label} did not become ready")
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
-        wait_for_health(self.web, self.base_url, lambda: (self.log_dir / f"{self.name}-daphne.log").read_text(), timeout)
+        wait_for_health(
+            self.web, self.base_url, lambda: (self.log_dir / f"{self.name}-daphne.log").read_text(), timeout
+        )
 
     def start_extra_worker(self, label: str, timeout: float = 60.0) -> subprocess.Popen:
         """One more Celery worker process on the turn queue (the caller stops it with SIGTERM)."""

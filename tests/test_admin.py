@@ -31,15 +31,33 @@ def form_errors(response) -> str:
 
 def agent_form(name: str, *, option: dict, option_pk: int | None = None, agent_pk: int | None = None) -> dict:
     data = {
-        "name": name, "title": "Admin-made", "version": "1.0.0", "description": "", "enabled": "on",
-        "runtime_kind": "echo", "runtime_config": "{}", "client_tools": "on",
-        "options-TOTAL_FORMS": "1", "options-INITIAL_FORMS": "1" if option_pk else "0",
-        "options-MIN_NUM_FORMS": "0", "options-MAX_NUM_FORMS": "1000",
-        "server_tools-TOTAL_FORMS": "0", "server_tools-INITIAL_FORMS": "0",
-        "server_tools-MIN_NUM_FORMS": "0", "server_tools-MAX_NUM_FORMS": "1000",
+        "name": name,
+        "title": "Admin-made",
+        "version": "1.0.0",
+        "description": "",
+        "enabled": "on",
+        "runtime_kind": "echo",
+        "runtime_config": "{}",
+        "client_tools": "on",
+        "options-TOTAL_FORMS": "1",
+        "options-INITIAL_FORMS": "1" if option_pk else "0",
+        "options-MIN_NUM_FORMS": "0",
+        "options-MAX_NUM_FORMS": "1000",
+        "server_tools-TOTAL_FORMS": "0",
+        "server_tools-INITIAL_FORMS": "0",
+        "server_tools-MIN_NUM_FORMS": "0",
+        "server_tools-MAX_NUM_FORMS": "1000",
         "_save": "Save",
     }
-    fields = {"name": "apiKey", "type": "secret", "title": "", "description": "", "choices": "[]", "default": "", "position": "0"}
+    fields = {
+        "name": "apiKey",
+        "type": "secret",
+        "title": "",
+        "description": "",
+        "choices": "[]",
+        "default": "",
+        "position": "0",
+    }
     fields.update(option)
     if option_pk:
         fields.update(id=str(option_pk), agent=str(agent_pk))
@@ -91,12 +109,19 @@ def test_an_invalid_tool_schema_is_refused_by_the_agent_form(admin_client, db_ac
 
     name = f"t2-admin-{uuid.uuid4().hex[:6]}"
     data = agent_form(name, option={"type": "text", "name": "note"})
-    data.update({
-        "server_tools-TOTAL_FORMS": "1", "server_tools-0-name": "clock", "server_tools-0-title": "",
-        "server_tools-0-description": "Time.", "server_tools-0-implementation": "clock",
-        "server_tools-0-parameters": '{"type": "nonsense"}', "server_tools-0-settings": "{}",
-        "server_tools-0-enabled": "on", "server_tools-0-position": "0",
-    })
+    data.update(
+        {
+            "server_tools-TOTAL_FORMS": "1",
+            "server_tools-0-name": "clock",
+            "server_tools-0-title": "",
+            "server_tools-0-description": "Time.",
+            "server_tools-0-implementation": "clock",
+            "server_tools-0-parameters": '{"type": "nonsense"}',
+            "server_tools-0-settings": "{}",
+            "server_tools-0-enabled": "on",
+            "server_tools-0-position": "0",
+        }
+    )
     response = admin_client.post("/admin/agents/agent/add/", data)
     assert response.status_code == 200
     assert "not a valid JSON Schema" in response.content.decode()
@@ -123,8 +148,11 @@ def test_an_api_token_added_in_admin_is_shown_once_and_stored_as_a_hash(admin_cl
     assert not any(raw in value for value in stored), "the token itself is not stored"
     assert tenant_for_raw_token(raw).pk == token.pk, "the shown token authenticates"
 
-    for page in (f"/admin/hosting/apitoken/{token.pk}/change/", "/admin/hosting/apitoken/",
-                 f"/admin/hosting/tenant/{demo.pk}/change/"):
+    for page in (
+        f"/admin/hosting/apitoken/{token.pk}/change/",
+        "/admin/hosting/apitoken/",
+        f"/admin/hosting/tenant/{demo.pk}/change/",
+    ):
         html = admin_client.get(page).content.decode()
         assert token.prefix in html, page
         assert raw not in html and token.token_hash not in html, f"{page} shows the token again"
@@ -142,7 +170,7 @@ def test_agent_admin_lists_agents_and_who_may_use_them(admin_client, db_access):
     assert response.status_code == 200
     html = response.content.decode()
     assert "echo-private" in html and "echo-off" in html
-    row = html[html.index("echo-private"):]
+    row = html[html.index("echo-private") :]
     assert "other" in row[: row.index("</tr>")]
 
 
@@ -170,7 +198,9 @@ def test_options_keep_only_what_their_type_uses(admin_client, db_access):
     from agents.models import Agent, AgentOption
 
     name = f"t16-admin-{uuid.uuid4().hex[:6]}"
-    data = agent_form(name, option={"type": "select", "name": "style", "choices": "plain\n upper \n\n", "default": "upper"})
+    data = agent_form(
+        name, option={"type": "select", "name": "style", "choices": "plain\n upper \n\n", "default": "upper"}
+    )
     response = admin_client.post("/admin/agents/agent/add/", data)
     assert response.status_code == 302, form_errors(response)
     option = AgentOption.objects.get(agent__name=name, name="style")
@@ -178,16 +208,24 @@ def test_options_keep_only_what_their_type_uses(admin_client, db_access):
 
     # Turned into a text option: the hidden choices are dropped, not an error.
     agent = Agent.objects.get(name=name)
-    data = agent_form(name, option={"type": "text", "name": "style", "choices": "plain\nupper", "default": "hi"},
-                      option_pk=option.pk, agent_pk=agent.pk)
+    data = agent_form(
+        name,
+        option={"type": "text", "name": "style", "choices": "plain\nupper", "default": "hi"},
+        option_pk=option.pk,
+        agent_pk=agent.pk,
+    )
     response = admin_client.post(f"/admin/agents/agent/{agent.pk}/change/", data)
     assert response.status_code == 302, form_errors(response)
     option.refresh_from_db()
     assert option.choices == [] and option.default == "hi"
 
     # A select default outside its choices says so.
-    data = agent_form(name, option={"type": "select", "name": "style", "choices": "a\nb", "default": "c"},
-                      option_pk=option.pk, agent_pk=agent.pk)
+    data = agent_form(
+        name,
+        option={"type": "select", "name": "style", "choices": "a\nb", "default": "c"},
+        option_pk=option.pk,
+        agent_pk=agent.pk,
+    )
     response = admin_client.post(f"/admin/agents/agent/{agent.pk}/change/", data)
     assert response.status_code == 200 and "The default must be one of the choices." in response.content.decode()
 
@@ -233,10 +271,21 @@ def test_a_tenant_added_in_admin_gets_a_first_token_shown_once(admin_client, db_
     from hosting.models import ApiToken, Tenant
 
     name = f"t16-tenant-{uuid.uuid4().hex[:6]}"
-    response = admin_client.post("/admin/hosting/tenant/add/", {
-        "name": name, "title": "From admin", "is_active": "on", "weight": "1", "_save": "Save",
-        "tokens-TOTAL_FORMS": "0", "tokens-INITIAL_FORMS": "0", "tokens-MIN_NUM_FORMS": "0", "tokens-MAX_NUM_FORMS": "1000",
-    }, follow=True)
+    response = admin_client.post(
+        "/admin/hosting/tenant/add/",
+        {
+            "name": name,
+            "title": "From admin",
+            "is_active": "on",
+            "weight": "1",
+            "_save": "Save",
+            "tokens-TOTAL_FORMS": "0",
+            "tokens-INITIAL_FORMS": "0",
+            "tokens-MIN_NUM_FORMS": "0",
+            "tokens-MAX_NUM_FORMS": "1000",
+        },
+        follow=True,
+    )
     assert response.status_code == 200, form_errors(response)
     shown = " ".join(str(message) for message in response.context["messages"])
     raw = re.search(r"aap_[0-9a-f]{8}_[A-Za-z0-9_-]{20,}", shown).group(0)

@@ -80,7 +80,9 @@ def test_create_token_prints_a_working_token_stored_only_as_a_hash(pg_stack, db_
     assert row.tenant.name == "other" and row.name == "ci"
     assert raw.startswith(row.prefix) and row.prefix in out.getvalue()
     stored = [str(value) for value in ApiToken.objects.filter(pk=row.pk).values().get().values()]
-    assert not any(raw in value or raw[len(row.prefix):] in value for value in stored), "the token itself is not stored"
+    assert not any(raw in value or raw[len(row.prefix) :] in value for value in stored), (
+        "the token itself is not stored"
+    )
 
 
 def test_token_commands_explain_what_is_wrong(db_access):
@@ -104,7 +106,12 @@ def test_seed_demo_is_idempotent_and_prints_a_working_token(client, db_access):
         response = client.get("/v1/sessions", HTTP_AUTHORIZATION=f"Bearer {token}")
         assert response.status_code == 200, response.content
     assert meta(client)["echo"] == before
-    assert counts == (Tenant.objects.count(), Agent.objects.count(), AgentOption.objects.count(), ServerTool.objects.count())
+    assert counts == (
+        Tenant.objects.count(),
+        Agent.objects.count(),
+        AgentOption.objects.count(),
+        ServerTool.objects.count(),
+    )
 
 
 # --- apply_agents -------------------------------------------------------------------------------------
@@ -121,10 +128,19 @@ ALPHA = {
         {"type": "secret", "name": "apiKey", "default": ALPHA_SECRET},
     ],
     "tools": [
-        {"name": "clock", "description": "Current time.", "parameters": {"type": "object", "properties": {}},
-         "implementation": "clock"},
-        {"name": "sum", "title": "Sum", "description": "Adds a and b.", "implementation": "add",
-         "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}},
+        {
+            "name": "clock",
+            "description": "Current time.",
+            "parameters": {"type": "object", "properties": {}},
+            "implementation": "clock",
+        },
+        {
+            "name": "sum",
+            "title": "Sum",
+            "description": "Adds a and b.",
+            "implementation": "add",
+            "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+        },
     ],
     "capabilities": {"application": {"tools": {}}, "image": {"http": {}}},
     "tenants": ["demo"],
@@ -138,8 +154,12 @@ ALPHA_IN_META = {
     "description": "An agent of the registry tests.",
     "tools": [
         {"name": "clock", "description": "Current time.", "parameters": {"type": "object", "properties": {}}},
-        {"name": "sum", "title": "Sum", "description": "Adds a and b.",
-         "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}},
+        {
+            "name": "sum",
+            "title": "Sum",
+            "description": "Adds a and b.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+        },
     ],
     "options": [
         {"type": "select", "name": "style", "title": "Style", "options": ["plain", "upper"], "default": "plain"},
@@ -179,14 +199,23 @@ def test_apply_agents_from_yaml_and_json_is_idempotent(client, pg_stack, db_acce
 
     yaml_file = write(tmp_path, "agents.yaml", [ALPHA, BETA], wrap=True)
     json_file = write(tmp_path, "agents.json", [ALPHA, BETA])
-    assert json.loads(call("apply_agents", yaml_file)) == {"created": ["t2-alpha", "t2-beta"], "updated": [], "removed": []}
+    assert json.loads(call("apply_agents", yaml_file)) == {
+        "created": ["t2-alpha", "t2-beta"],
+        "updated": [],
+        "removed": [],
+    }
     first = meta(client, pg_stack.tokens["demo"])
     assert first["t2-alpha"] == ALPHA_IN_META
-    assert first["t2-beta"] == {"name": "t2-beta", "version": "0.0.1", "capabilities": {
-        "history": {"compacted": {}, "full": {}}, "stream": {"delta": {}, "message": {}, "none": {}}}}
-    rows = lambda: (Agent.objects.filter(name__startswith="t2-").count(),  # noqa: E731
-                    AgentOption.objects.filter(agent__name__startswith="t2-").count(),
-                    ServerTool.objects.filter(agent__name__startswith="t2-").count())
+    assert first["t2-beta"] == {
+        "name": "t2-beta",
+        "version": "0.0.1",
+        "capabilities": {"history": {"compacted": {}, "full": {}}, "stream": {"delta": {}, "message": {}, "none": {}}},
+    }
+    rows = lambda: (
+        Agent.objects.filter(name__startswith="t2-").count(),  # noqa: E731
+        AgentOption.objects.filter(agent__name__startswith="t2-").count(),
+        ServerTool.objects.filter(agent__name__startswith="t2-").count(),
+    )
     assert rows() == (2, 3, 2)
     for path in (yaml_file, json_file, json_file):
         assert json.loads(call("apply_agents", path))["updated"] == ["t2-alpha", "t2-beta"]
@@ -224,8 +253,14 @@ def test_apply_agents_updates_options_tools_and_access(client, pg_stack, db_acce
         {"type": "select", "name": "style", "options": ["plain", "upper", "title"], "default": "title"},
         {"type": "text", "name": "greeting", "default": "hi"},
     ]
-    v2["tools"] = [{"name": "clock", "description": "What time it is.", "implementation": "clock",
-                    "parameters": {"type": "object", "properties": {}}}]
+    v2["tools"] = [
+        {
+            "name": "clock",
+            "description": "What time it is.",
+            "implementation": "clock",
+            "parameters": {"type": "object", "properties": {}},
+        }
+    ]
     report = json.loads(call("apply_agents", write(tmp_path, "v2.yaml", [v2])))
     assert report["updated"] == ["t2-alpha"]
 
@@ -235,7 +270,9 @@ def test_apply_agents_updates_options_tools_and_access(client, pg_stack, db_acce
         {"type": "select", "name": "style", "options": ["plain", "upper", "title"], "default": "title"},
         {"type": "text", "name": "greeting", "default": "hi"},
     ]
-    assert alpha["tools"] == [{"name": "clock", "description": "What time it is.", "parameters": {"type": "object", "properties": {}}}]
+    assert alpha["tools"] == [
+        {"name": "clock", "description": "What time it is.", "parameters": {"type": "object", "properties": {}}}
+    ]
     assert "application" not in alpha["capabilities"] and "image" not in alpha["capabilities"]
     assert "t2-alpha" in meta(client, pg_stack.tokens["other"])
 
@@ -280,15 +317,21 @@ INVALID_FILES = {
     "bad semver with v": ([_bad(version="v1.2.3")], ["semantic version"]),
     "tool parameters not a JSON Schema": (
         [_bad_tool({"name": "t", "description": "d", "implementation": "clock", "parameters": {"type": "nonsense"}})],
-        ["t2-bad", "JSON Schema"]),
+        ["t2-bad", "JSON Schema"],
+    ),
     "tool parameters not an object": (
-        [_bad_tool({"name": "t", "description": "d", "implementation": "clock", "parameters": ["a"]})], ["JSON Schema"]),
+        [_bad_tool({"name": "t", "description": "d", "implementation": "clock", "parameters": ["a"]})],
+        ["JSON Schema"],
+    ),
     "tool implementation unknown": (
-        [_bad_tool({"name": "t", "description": "d", "implementation": "teleport"})], ["teleport"]),
+        [_bad_tool({"name": "t", "description": "d", "implementation": "teleport"})],
+        ["teleport"],
+    ),
     "tool name invalid": ([_bad_tool({"name": "bad name", "description": "d", "implementation": "clock"})], ["name"]),
     "select default not a choice": (
         [_bad_option({"type": "select", "name": "style", "options": ["plain", "upper"], "default": "bold"})],
-        ["t2-bad", "default", "choices"]),
+        ["t2-bad", "default", "choices"],
+    ),
     "select without choices": ([_bad_option({"type": "select", "name": "style", "default": ""})], ["choices"]),
     "option type unknown": ([_bad_option({"type": "number", "name": "n", "default": "1"})], ["type"]),
     "option default not a string": ([_bad_option({"type": "text", "name": "n", "default": 5})], ["default", "string"]),
@@ -316,9 +359,14 @@ def test_apply_agents_refuses_an_invalid_file_with_a_readable_message(db_access,
     assert set(Agent.objects.values_list("name", "version", "updated_at")) == before, "all or nothing"
 
 
-@pytest.mark.parametrize("name, text", [
-    ("broken.yaml", "agents: [name: {"), ("broken.json", '{"agents": ['), ("missing.yaml", None),
-])
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("broken.yaml", "agents: [name: {"),
+        ("broken.json", '{"agents": ['),
+        ("missing.yaml", None),
+    ],
+)
 def test_apply_agents_refuses_an_unreadable_file(tmp_path, name, text, db_access):
     path = tmp_path / name
     if text is not None:

@@ -71,12 +71,14 @@ def settings_env() -> set[str]:
 
 def entrypoint_roles() -> set[str]:
     text = (ROOT / "deploy" / "entrypoint.sh").read_text()
-    case = text[text.index('case "$role" in'):]
+    case = text[text.index('case "$role" in') :]
     return {label.strip() for label in re.findall(r"^\s{4}([a-z-]+)\)", case, re.M)}
 
 
 def dockerignored(path: str) -> bool:
-    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+    patterns = [
+        p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")
+    ]
     parts = Path(path).parts
     return any(fnmatch.fnmatch(path, p.lstrip("*/")) or p in parts for p in patterns)
 
@@ -104,7 +106,9 @@ def test_every_setting_the_code_reads_reaches_the_app_containers():
         assert service.get("env_file") == ".env", f"{name}: every .env line must reach it (env_file: .env)"
         reaching = set(service["environment"]) | documented | image_env()
         missing = sorted(settings_env() - reaching)
-        assert not missing, f"{name} never gets {missing}: pass them in docker-compose.yml or document them in .env.example"
+        assert not missing, (
+            f"{name} never gets {missing}: pass them in docker-compose.yml or document them in .env.example"
+        )
     # The environment of the app containers is the same everywhere (one key, one database).
     assert len({id(services[name]["environment"]) for name in APP_SERVICES}) == 1
 
@@ -127,8 +131,9 @@ def test_commands_scripts_and_paths_exist_in_the_image():
     source = image_path(entry_path)
     assert source is not None and source.is_file(), entry_path
     assert os.access(source, os.X_OK), f"{entry_path} must be executable"
-    mode = subprocess.run(["git", "ls-files", "-s", str(source.relative_to(ROOT))], cwd=ROOT, capture_output=True,
-                          text=True).stdout.split()
+    mode = subprocess.run(
+        ["git", "ls-files", "-s", str(source.relative_to(ROOT))], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
     assert mode and mode[0] == "100755", "the entrypoint is committed executable (a fresh clone builds a working image)"
     assert not dockerignored("deploy/entrypoint.sh") and not dockerignored("manage.py")
     assert ("WORKDIR", "/app") in steps and ("COPY", ". .") in steps
@@ -198,15 +203,18 @@ def shims(tmp_path_factory) -> Path:
 def entrypoint_says(shims: Path, role: str, **env) -> str:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_POOL", "WORKER_", "AAP_WEB"))}
     environ.update(env, PATH=f"{shims}:{environ['PATH']}", HOSTING_VAR_DIR=str(shims / "var"))
-    result = subprocess.run([str(ROOT / "deploy" / "entrypoint.sh"), role], env=environ, capture_output=True,
-                            text=True, timeout=30)
+    result = subprocess.run(
+        [str(ROOT / "deploy" / "entrypoint.sh"), role], env=environ, capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
 
 def test_scaling_workers_stays_under_postgres_max_connections(shims):
     services = compose()["services"]
-    max_connections = int(re.search(r"max_connections=(\d+)", default_of(" ".join(services["postgres"]["command"]))).group(1))
+    max_connections = int(
+        re.search(r"max_connections=(\d+)", default_of(" ".join(services["postgres"]["command"]))).group(1)
+    )
     pools = {}
     for role in ("web", "worker", "beat"):
         said = entrypoint_says(shims, role)
@@ -217,7 +225,9 @@ def test_scaling_workers_stays_under_postgres_max_connections(shims):
     reserved = 3 + 2  # PostgreSQL's superuser slots, a one-off `run --rm init` or psql
     workers = 10
     used = pools["web"] + workers * pools["worker"] + pools["beat"] + reserved
-    assert used <= max_connections, f"--scale worker={workers} needs {used} connections, max_connections={max_connections}"
+    assert used <= max_connections, (
+        f"--scale worker={workers} needs {used} connections, max_connections={max_connections}"
+    )
     # Both knobs move together: more threads, a bigger pool.
     assert "pool=20 " in entrypoint_says(shims, "worker", WORKER_CONCURRENCY="16")
     assert "--concurrency 16" in entrypoint_says(shims, "worker", WORKER_CONCURRENCY="16")
@@ -251,13 +261,25 @@ class Deployment:
         self.env, self.log_dir, self.procs = env, log_dir, []
 
     def run(self, *args: str, **env: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(ROOT / "deploy" / "entrypoint.sh"), *args], env={**self.env, **env}, cwd=ROOT,
-                              capture_output=True, text=True, timeout=180)
+        return subprocess.run(
+            [str(ROOT / "deploy" / "entrypoint.sh"), *args],
+            env={**self.env, **env},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
 
     def start(self, role: str, *args: str, **env: str) -> subprocess.Popen:
         log = open(self.log_dir / f"deploy-{role}.log", "ab")
-        proc = subprocess.Popen([str(ROOT / "deploy" / "entrypoint.sh"), role, *args], env={**self.env, **env}, cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(ROOT / "deploy" / "entrypoint.sh"), role, *args],
+            env={**self.env, **env},
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.procs.append(proc)
         return proc
 
@@ -266,8 +288,14 @@ class Deployment:
         return path.read_text() if path.exists() else ""
 
     def healthcheck(self, role: str) -> subprocess.CompletedProcess:
-        return subprocess.run([PYTHON, str(ROOT / "deploy" / "healthcheck.py"), role], env=self.env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [PYTHON, str(ROOT / "deploy" / "healthcheck.py"), role],
+            env=self.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     def stop(self):
         for proc in self.procs:
@@ -294,22 +322,24 @@ def deployment(tmp_path_factory, log_dir):
     port = free_port()
     # The environment docker-compose.yml gives the app containers, with the .env of the README.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AAP_", "DATABASE_", "HOSTING_", "OPENAI_"))}
-    env.update({
-        "PATH": f"{BIN}:{env['PATH']}",
-        "PYTHON": PYTHON,
-        "SECRET_KEY": uuid.uuid4().hex * 2,
-        "HOSTING_ENCRYPTION_KEYS": Fernet.generate_key().decode(),
-        "DATABASE_URL": urlunsplit(urlsplit(server)._replace(path="/" + name)),
-        "REDIS_URL": redis_url,
-        "AAP_WORKSPACE_ROOT": str(var / "workspaces"),
-        "HOSTING_VAR_DIR": str(var),
-        "AAP_AGENTS_FILE": str(ROOT / "deploy" / "agents.yaml"),
-        "ALLOWED_HOSTS": "aap.example.com",  # a public name only: the healthcheck must still pass
-        "PORT": str(port),
-        "BIND_ADDRESS": "127.0.0.1",
-        "WORKER_CONCURRENCY": "2",
-        "LOG_LEVEL": "INFO",
-    })
+    env.update(
+        {
+            "PATH": f"{BIN}:{env['PATH']}",
+            "PYTHON": PYTHON,
+            "SECRET_KEY": uuid.uuid4().hex * 2,
+            "HOSTING_ENCRYPTION_KEYS": Fernet.generate_key().decode(),
+            "DATABASE_URL": urlunsplit(urlsplit(server)._replace(path="/" + name)),
+            "REDIS_URL": redis_url,
+            "AAP_WORKSPACE_ROOT": str(var / "workspaces"),
+            "HOSTING_VAR_DIR": str(var),
+            "AAP_AGENTS_FILE": str(ROOT / "deploy" / "agents.yaml"),
+            "ALLOWED_HOSTS": "aap.example.com",  # a public name only: the healthcheck must still pass
+            "PORT": str(port),
+            "BIND_ADDRESS": "127.0.0.1",
+            "WORKER_CONCURRENCY": "2",
+            "LOG_LEVEL": "INFO",
+        }
+    )
     deploy = Deployment(env, log_dir)
     deploy.base_url = f"http://127.0.0.1:{port}"
     try:
@@ -357,10 +387,16 @@ def test_the_deployment_serves_the_mounted_agents_and_its_first_tenant(deploymen
         assert worker.poll() is None, deployment.log("worker")[-3000:]
         assert time.monotonic() < deadline + 60, "the worker role did not become ready"
         time.sleep(0.3)
-    session = httpx.post(deployment.base_url + "/v1/sessions", headers=headers, json={"agent": {"name": "echo"}}, timeout=10)
+    session = httpx.post(
+        deployment.base_url + "/v1/sessions", headers=headers, json={"agent": {"name": "echo"}}, timeout=10
+    )
     assert session.status_code == 201, session.text
-    turn = httpx.post(f"{deployment.base_url}/v1/sessions/{session.json()['sessionId']}/turns", headers=headers,
-                      json={"messages": [{"role": "user", "content": "hello deploy"}]}, timeout=60)
+    turn = httpx.post(
+        f"{deployment.base_url}/v1/sessions/{session.json()['sessionId']}/turns",
+        headers=headers,
+        json={"messages": [{"role": "user", "content": "hello deploy"}]},
+        timeout=60,
+    )
     assert turn.status_code == 200, turn.text
     assert "echo: hello deploy" in turn.text
 
@@ -369,36 +405,45 @@ def test_the_deployment_serves_the_mounted_agents_and_its_first_tenant(deploymen
         result = deployment.healthcheck(role)
         assert result.returncode == 0, f"{role}: {result.stderr}"
     # ...where the API refuses a request naming 127.0.0.1.
-    assert httpx.get(deployment.base_url + "/v1/meta", headers={"Authorization": f"Bearer {token}"},
-                     timeout=5).status_code == 400
+    assert (
+        httpx.get(deployment.base_url + "/v1/meta", headers={"Authorization": f"Bearer {token}"}, timeout=5).status_code
+        == 400
+    )
     assert token not in deployment.log("web") + deployment.log("worker")
-
 
 
 def test_init_seeds_the_demo_on_request_without_printing_a_token(deployment):
     result = deployment.run("init", AAP_SEED_DEMO="true")
     assert result.returncode == 0, result.stderr
     assert not re.search(r"aap_[0-9a-f]{8}_", result.stdout + result.stderr), "no token in a container's log"
-    count = deployment.run("python", "manage.py", "shell", "-v", "0", "-c",
-                           "from hosting.models import ApiToken, Tenant;"
-                           "print(Tenant.objects.filter(name='demo').count(), ApiToken.objects.filter(tenant__name='demo').count())")
+    count = deployment.run(
+        "python",
+        "manage.py",
+        "shell",
+        "-v",
+        "0",
+        "-c",
+        "from hosting.models import ApiToken, Tenant;"
+        "print(Tenant.objects.filter(name='demo').count(), ApiToken.objects.filter(tenant__name='demo').count())",
+    )
     assert count.stdout.split() == ["1", "0"], count.stderr
+
 
 def test_init_says_in_one_sentence_when_the_database_is_missing(deployment):
     env = dict(deployment.env, DATABASE_URL=deployment.env["DATABASE_URL"] + "_absent", AAP_DATABASE_WAIT_SECONDS="1")
-    result = subprocess.run([str(ROOT / "deploy" / "entrypoint.sh"), "init"], env=env, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [str(ROOT / "deploy" / "entrypoint.sh"), "init"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode != 0
     assert "has no database" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-
 def test_the_readme_deploy_steps_name_services_roles_and_files_that_exist():
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Deploy with Docker Compose"):]
+    section = readme[readme.index("## Deploy with Docker Compose") :]
     section = section[: section.index("\n## ", 4)]
-    block = section[section.index("```sh") + 5: section.index("```", section.index("```sh") + 5)]
+    block = section[section.index("```sh") + 5 : section.index("```", section.index("```sh") + 5)]
     services, roles = compose()["services"], entrypoint_roles()
     commands = [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
     assert commands[0] == "cp .env.example .env" and (ROOT / ".env.example").is_file()

@@ -27,7 +27,9 @@ def restricted(pg_stack, log_dir):
     )
     stack.tokens = dict(pg_stack.tokens)
     # Not Stack.start_web: its readiness check waits for a healthy /healthz, which this stack never gives.
-    stack.web = stack._spawn("daphne", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(stack.port), "hosting.asgi:application"])
+    stack.web = stack._spawn(
+        "daphne", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(stack.port), "hosting.asgi:application"]
+    )
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -37,7 +37,9 @@ def session(pg_stack) -> str:
     return session
 
 
-def post_raw(client, path: str, content: bytes | str, content_type: str | None = "application/json", **kw) -> httpx.Response:
+def post_raw(
+    client, path: str, content: bytes | str, content_type: str | None = "application/json", **kw
+) -> httpx.Response:
     headers = {"Content-Type": content_type} if content_type is not None else {}
     return client.http.post(path, content=content, headers=headers, **kw)
 
@@ -74,7 +76,7 @@ def test_a_paired_surrogate_escape_is_fine(demo):
     body = b'{"agent": {"name": "echo"}, "messages": [{"role": "user", "content": "smile \\ud83d\\ude00"}]}'
     response = post_raw(demo, "/v1/sessions", body)
     assert response.status_code == 201, response.text
-    assert demo.history(response.json()["sessionId"]) == [{"role": "user", "content": "smile \U0001F600"}]
+    assert demo.history(response.json()["sessionId"]) == [{"role": "user", "content": "smile \U0001f600"}]
 
 
 JSON_TEXT = json.dumps({"agent": {"name": "echo"}, "messages": USER_HI}).encode()
@@ -102,7 +104,9 @@ def test_json_content_type_with_charset_is_accepted(demo):
 
 
 def _oversized() -> bytes:
-    body = json.dumps({"agent": {"name": "echo"}, "messages": [{"role": "user", "content": "x" * (LIMIT + 1024 * 1024)}]})
+    body = json.dumps(
+        {"agent": {"name": "echo"}, "messages": [{"role": "user", "content": "x" * (LIMIT + 1024 * 1024)}]}
+    )
     return body.encode()
 
 
@@ -118,7 +122,7 @@ def test_a_chunked_body_over_the_limit_is_a_413(demo, session):
 
     def chunks():
         for start in range(0, len(big), 1 << 20):
-            yield big[start:start + (1 << 20)]
+            yield big[start : start + (1 << 20)]
 
     for path in body_paths(session):
         assert_json_error(post_raw(demo, path, chunks()), 413)
@@ -158,11 +162,24 @@ def test_a_wrong_method_is_a_405_naming_the_allowed_ones(demo, session):
         assert allowed <= {m.strip() for m in response.headers["Allow"].split(",")}, response.headers["Allow"]
 
 
-@pytest.mark.parametrize("path", [
-    "/", "/nope", "/v1", "/v1/", "/v1/nope", "/v1/session", "/v2/meta", "/v1/sessions/x/y/z",
-    "/v1/sessions/%00", "/v1/sessions/%00/history?type=full", "/v1/sessions/a.b", "/v1/sessions/%ED%A0%80",
-    "/v1/sessions/sess_x/turns/%00/events",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/",
+        "/nope",
+        "/v1",
+        "/v1/",
+        "/v1/nope",
+        "/v1/session",
+        "/v2/meta",
+        "/v1/sessions/x/y/z",
+        "/v1/sessions/%00",
+        "/v1/sessions/%00/history?type=full",
+        "/v1/sessions/a.b",
+        "/v1/sessions/%ED%A0%80",
+        "/v1/sessions/sess_x/turns/%00/events",
+    ],
+)
 def test_an_unknown_path_is_a_json_404(demo, path):
     assert_json_error(demo.get(path), 404)
     assert_json_error(demo.post(path, {}), 404)
@@ -205,14 +222,31 @@ CREATE_BAD = {
     "messages holds lists": {"agent": {"name": "echo"}, "messages": [["user", "hi"]]},
     "message role is a list": {"agent": {"name": "echo"}, "messages": [{"role": ["user"], "content": "hi"}]},
     "content blocks hold strings": {"agent": {"name": "echo"}, "messages": [{"role": "user", "content": ["hi"]}]},
-    "content block type is an object": {"agent": {"name": "echo"}, "messages": [{"role": "user", "content": [{"type": {}}]}]},
-    "image url is a number": {"agent": {"name": "echo"}, "messages": [{"role": "user", "content": [{"type": "image", "url": 5}]}]},
-    "image url is a bad data URI": {"agent": {"name": "echo"}, "messages": [
-        {"role": "user", "content": [{"type": "image", "url": "data:image/png,notbase64"}]}]},
+    "content block type is an object": {
+        "agent": {"name": "echo"},
+        "messages": [{"role": "user", "content": [{"type": {}}]}],
+    },
+    "image url is a number": {
+        "agent": {"name": "echo"},
+        "messages": [{"role": "user", "content": [{"type": "image", "url": 5}]}],
+    },
+    "image url is a bad data URI": {
+        "agent": {"name": "echo"},
+        "messages": [{"role": "user", "content": [{"type": "image", "url": "data:image/png,notbase64"}]}],
+    },
     "tools holds null": {"agent": {"name": "echo"}, "tools": [None]},
-    "tool parameters is null": {"agent": {"name": "echo"}, "tools": [{"name": "t", "description": "d", "parameters": None}]},
-    "tool description is a number": {"agent": {"name": "echo"}, "tools": [{"name": "t", "description": 1, "parameters": {}}]},
-    "tool description is huge": {"agent": {"name": "echo"}, "tools": [{"name": "t", "description": "d" * 20_000, "parameters": {}}]},
+    "tool parameters is null": {
+        "agent": {"name": "echo"},
+        "tools": [{"name": "t", "description": "d", "parameters": None}],
+    },
+    "tool description is a number": {
+        "agent": {"name": "echo"},
+        "tools": [{"name": "t", "description": 1, "parameters": {}}],
+    },
+    "tool description is huge": {
+        "agent": {"name": "echo"},
+        "tools": [{"name": "t", "description": "d" * 20_000, "parameters": {}}],
+    },
 }
 
 TURN_BAD = {
@@ -226,7 +260,9 @@ TURN_BAD = {
     "assistant message": {"messages": [{"role": "assistant", "content": "x"}]},
     "user content is an object": {"messages": [{"role": "user", "content": {"text": "hi"}}]},
     "tool answer with nothing pending": {"messages": [{"role": "tool", "toolCallId": "call_x", "content": "r"}]},
-    "permission with nothing pending": {"messages": [{"role": "tool_permission", "toolCallId": "call_x", "granted": True}]},
+    "permission with nothing pending": {
+        "messages": [{"role": "tool_permission", "toolCallId": "call_x", "granted": True}]
+    },
     "permission granted is a string": {"messages": [{"role": "tool_permission", "toolCallId": "c", "granted": "yes"}]},
     "permission without granted": {"messages": [{"role": "tool_permission", "toolCallId": "c"}]},
     "stream is unknown": {"messages": USER_HI, "stream": "fast"},
@@ -239,8 +275,11 @@ TURN_BAD = {
     "select value not a choice": {"messages": USER_HI, "agent": {"options": {"style": "bold"}}},
     "server tool not exposed": {"messages": USER_HI, "agent": {"tools": [{"name": "weather"}]}},
     "client tool invalid": {"messages": USER_HI, "tools": [{"name": "bad name", "description": "d", "parameters": {}}]},
-    "client tool collides": {"messages": USER_HI, "agent": {"tools": [{"name": "clock"}]},
-                             "tools": [{"name": "clock", "description": "d", "parameters": {}}]},
+    "client tool collides": {
+        "messages": USER_HI,
+        "agent": {"tools": [{"name": "clock"}]},
+        "tools": [{"name": "clock", "description": "d", "parameters": {}}],
+    },
     "tools is a string": {"messages": USER_HI, "tools": "none"},
 }
 
@@ -268,11 +307,20 @@ def test_the_session_is_intact_after_refused_turns(demo, session):
 WEIRD_VALUES = [None, 10**30, "\u0000", [{}], {"": []}]
 
 VALID_CREATE = {
-    "agent": {"name": "echo", "options": {"style": "plain", "signature": "s", "apiKey": "k"},
-              "tools": [{"name": "clock", "trust": True}]},
+    "agent": {
+        "name": "echo",
+        "options": {"style": "plain", "signature": "s", "apiKey": "k"},
+        "tools": [{"name": "clock", "trust": True}],
+    },
     "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image", "url": "https://example.com/a.png"}]},
-        {"role": "assistant", "content": [{"type": "tool_use", "toolCallId": "c1", "name": "lookup", "input": {"q": "x"}}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hi"}, {"type": "image", "url": "https://example.com/a.png"}],
+        },
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "toolCallId": "c1", "name": "lookup", "input": {"q": "x"}}],
+        },
         {"role": "tool", "toolCallId": "c1", "content": "ok"},
     ],
     "tools": [{"name": "lookup", "title": "Lookup", "description": "d", "parameters": {"type": "object"}}],

@@ -29,7 +29,8 @@ def _turns(tenant, count: int, *, dispatched: bool = False, running: bool = Fals
     for _ in range(count):
         session = Session.objects.create(tenant=tenant, agent=agent)
         turn = Turn.objects.create(
-            session=session, status=Turn.RUNNING if running else Turn.QUEUED,
+            session=session,
+            status=Turn.RUNNING if running else Turn.QUEUED,
             dispatched_at=timezone.now() if dispatched or running else None,
         )
         ids.append(turn.id)
@@ -126,10 +127,12 @@ def test_the_client_tells_waiting_from_running():
     from aap.sse import SSEParser
 
     parser = SSEParser()
-    (start,) = parser.feed(b'id: 1\nevent: turn_start\ndata: {"_meta": {"turnId": "turn_x", "queued": {"position": 2}}}\n\n')
+    (start,) = parser.feed(
+        b'id: 1\nevent: turn_start\ndata: {"_meta": {"turnId": "turn_x", "queued": {"position": 2}}}\n\n'
+    )
     assert start.queued == {"position": 2} and parser.queued == {"position": 2}
     assert parser.feed(b': queued {"position":1}\n\n') == [] and parser.queued == {"position": 1}
-    parser.feed(b': ping\n\n')
+    parser.feed(b": ping\n\n")
     assert parser.queued == {"position": 1}
     (delta,) = parser.feed(b'id: 2\nevent: text_delta\ndata: {"delta": "hi"}\n\n')
     assert delta.queued is None and parser.queued is None
@@ -148,8 +151,13 @@ def test_a_tenant_never_runs_more_turns_at_once_than_its_limit(settings):
     capped_turns = _turns(capped, 3)
     free_turns = _turns(free, 2)
     order = [(t, ok) for t, ok in turn_store.fair_order(100_000, 0) if t in capped_turns + free_turns]
-    assert order == [(free_turns[0], True), (free_turns[1], True), (capped_turns[0], True),
-                     (capped_turns[1], False), (capped_turns[2], False)]
+    assert order == [
+        (free_turns[0], True),
+        (free_turns[1], True),
+        (capped_turns[0], True),
+        (capped_turns[1], False),
+        (capped_turns[2], False),
+    ]
     # The service's default applies to a tenant that sets no limit of its own.
     free_first = [(t, ok) for t, ok in turn_store.fair_order(100_000, 1) if t in free_turns]
     assert free_first == [(free_turns[0], True), (free_turns[1], False)]

@@ -29,7 +29,9 @@ def read_logs(pg_stack) -> str:
 # --- 2. ALLOWED_HOSTS applies to the API too ---------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["/v1/meta", "/v1/sessions", "/v1/docs", "/v1/openapi.json", "/admin/login/", "/nowhere"])
+@pytest.mark.parametrize(
+    "path", ["/v1/meta", "/v1/sessions", "/v1/docs", "/v1/openapi.json", "/admin/login/", "/nowhere"]
+)
 def test_a_host_outside_allowed_hosts_gets_a_json_400_everywhere(pg_stack, path):
     token = pg_stack.tokens["demo"]
     response = httpx.get(pg_stack.base_url + path, headers={"Host": "evil.example", "Authorization": f"Bearer {token}"})
@@ -60,12 +62,28 @@ NUL_TOOL = {"name": "lookup", "description": "Looks up.", "parameters": {"type":
     "body, field",
     [
         ({"agent": {"name": "echo"}, "tools": [NUL_TOOL]}, "tools.0.parameters"),
-        ({"agent": {"name": "echo"}, "tools": [{**NUL_TOOL, "parameters": {"type": "object", "properties": {"x\u0000": {}}}}]},
-         "tools.0.parameters"),
-        ({"agent": {"name": "echo"}, "messages": [
-            {"role": "user", "content": "go"},
-            {"role": "assistant", "content": [{"type": "tool_use", "toolCallId": "call_1", "name": "mytool", "input": {"q": "\u0000"}}]},
-        ]}, "messages.1.content.0.input"),
+        (
+            {
+                "agent": {"name": "echo"},
+                "tools": [{**NUL_TOOL, "parameters": {"type": "object", "properties": {"x\u0000": {}}}}],
+            },
+            "tools.0.parameters",
+        ),
+        (
+            {
+                "agent": {"name": "echo"},
+                "messages": [
+                    {"role": "user", "content": "go"},
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {"type": "tool_use", "toolCallId": "call_1", "name": "mytool", "input": {"q": "\u0000"}}
+                        ],
+                    },
+                ],
+            },
+            "messages.1.content.0.input",
+        ),
     ],
     ids=["nul in parameters", "nul in a key", "nul in a seeded tool_use input"],
 )
@@ -132,13 +150,16 @@ def test_create_token_refuses_zero_days(pg_stack):
         pg_stack.manage("create_token", "demo", "--expires-in-days", "0")
     out = pg_stack.manage("create_token", "demo", "--expires-in-days", "1")
     token = out.strip().splitlines()[-1]
-    assert httpx.get(pg_stack.base_url + "/v1/sessions", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    assert (
+        httpx.get(pg_stack.base_url + "/v1/sessions", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    )
 
 
 def _stream_until_closed(base_url: str, token: str, path: str, body: dict, seen: list, done: threading.Event):
     try:
-        with httpx.stream("POST", base_url + path, json=body, headers={"Authorization": f"Bearer {token}"},
-                          timeout=60) as response:
+        with httpx.stream(
+            "POST", base_url + path, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=60
+        ) as response:
             seen.append(response.status_code)
             for chunk in response.iter_raw():
                 seen.append(chunk)
@@ -158,7 +179,8 @@ def test_revoking_a_token_ends_the_streams_opened_with_it(pg_stack, demo):
     done = threading.Event()
     body = {"stream": "delta", "messages": [{"role": "user", "content": "/slow 20 1000"}]}
     threading.Thread(
-        target=_stream_until_closed, args=(pg_stack.base_url, token, f"/v1/sessions/{session}/turns", body, seen, done),
+        target=_stream_until_closed,
+        args=(pg_stack.base_url, token, f"/v1/sessions/{session}/turns", body, seen, done),
         daemon=True,
     ).start()
     deadline = time.monotonic() + 30
@@ -173,7 +195,9 @@ def test_revoking_a_token_ends_the_streams_opened_with_it(pg_stack, demo):
     assert b"revoked" in raw
     # The turn itself goes on: a valid token re-attaches and sees it end.
     turn_id = events[0].data["_meta"]["turnId"]
-    assert httpx.get(pg_stack.base_url + "/v1/sessions", headers={"Authorization": f"Bearer {token}"}).status_code == 401
+    assert (
+        httpx.get(pg_stack.base_url + "/v1/sessions", headers={"Authorization": f"Bearer {token}"}).status_code == 401
+    )
     rest = client.reattach(session, turn_id, int(events[-1].id))
     assert rest.events[-1].event == "turn_stop" and rest.events[-1].data["stopReason"] == "end_turn"
     client.close()
@@ -182,8 +206,13 @@ def test_revoking_a_token_ends_the_streams_opened_with_it(pg_stack, demo):
 def _apply(pg_stack, tmp_path, tenants: list[str]) -> None:
     import yaml
 
-    agent = {"name": "echo-restricted-later", "title": "Open, then restricted", "version": "1.0.0",
-             "runtime": {"kind": "echo"}, "tenants": tenants}
+    agent = {
+        "name": "echo-restricted-later",
+        "title": "Open, then restricted",
+        "version": "1.0.0",
+        "runtime": {"kind": "echo"},
+        "tenants": tenants,
+    }
     path = tmp_path / f"agents-{len(tenants)}.yaml"
     path.write_text(yaml.safe_dump({"agents": [agent]}))
     pg_stack.manage("apply_agents", str(path))
@@ -213,9 +242,17 @@ def test_restricting_an_agent_stops_turns_on_sessions_created_before(pg_stack, d
         ({"agent": {"name": "echo"}, "colour": "red"}, "colour"),
         ({"agent": {"name": "echo", "model": "x"}}, "agent.model"),
         ({"agent": {"name": "echo", "tools": [{"name": "clock", "trusted": True}]}}, "agent.tools.0.trusted"),
-        ({"agent": {"name": "echo"}, "messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
-        ({"agent": {"name": "echo"}, "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "lang": "en"}]}]},
-         "messages.0.content.0.lang"),
+        (
+            {"agent": {"name": "echo"}, "messages": [{"role": "user", "content": "hi", "name": "bob"}]},
+            "messages.0.name",
+        ),
+        (
+            {
+                "agent": {"name": "echo"},
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "lang": "en"}]}],
+            },
+            "messages.0.content.0.lang",
+        ),
     ],
 )
 def test_unknown_properties_are_refused_naming_them(demo, body, unknown):
@@ -251,18 +288,31 @@ def test_check_deploy_is_clean_with_the_documented_production_settings(tmp_path)
     env = {**os.environ, **PRODUCTION_ENV, "HOSTING_VAR_DIR": str(tmp_path)}
     result = subprocess.run(
         [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no issues" in result.stdout
 
 
 def test_check_deploy_warns_without_them(tmp_path):
-    env = {**os.environ, "DEBUG": "false", "HOSTING_VAR_DIR": str(tmp_path), "AAP_HTTPS": "false",
-           "SECRET_KEY": PRODUCTION_ENV["SECRET_KEY"]}
+    env = {
+        **os.environ,
+        "DEBUG": "false",
+        "HOSTING_VAR_DIR": str(tmp_path),
+        "AAP_HTTPS": "false",
+        "SECRET_KEY": PRODUCTION_ENV["SECRET_KEY"],
+    }
     result = subprocess.run(
         [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0
     for warning in ("security.W004", "security.W008", "security.W012", "security.W016"):

@@ -15,8 +15,18 @@ def session(pg_stack):
     return session
 
 
-@pytest.mark.parametrize("query", [{}, {"type": ""}, {"type": "bogus"}, {"type": "FULL"}, {"type": "full,compacted"},
-                                   {"type": "\x00"}, {"kind": "full"}])
+@pytest.mark.parametrize(
+    "query",
+    [
+        {},
+        {"type": ""},
+        {"type": "bogus"},
+        {"type": "FULL"},
+        {"type": "full,compacted"},
+        {"type": "\x00"},
+        {"kind": "full"},
+    ],
+)
 def test_history_type_must_be_compacted_or_full(demo, session, query):
     response = demo.get(f"/v1/sessions/{session}/history", params=query)
     assert response.status_code == 400, response.text
@@ -39,11 +49,20 @@ def test_new_session_without_seed_has_empty_histories(demo):
 
 
 def test_history_keeps_text_exactly_as_accepted(demo):
-    tricky = 'quotes " and \\ backslash, tab\t, newline\n, NUL \u0000, line sep \u2028, emoji \U0001F600, ascii ~'
+    tricky = 'quotes " and \\ backslash, tab\t, newline\n, NUL \u0000, line sep \u2028, emoji \U0001f600, ascii ~'
     messages = [
         {"role": "user", "content": tricky},
-        {"role": "assistant", "content": [{"type": "tool_use", "toolCallId": "c1", "name": "add",
-                                           "input": {"a": 1.5, "b": -0.0, "big": 12345678901234567890, "list": [True, None]}}]},
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "tool_use",
+                    "toolCallId": "c1",
+                    "name": "add",
+                    "input": {"a": 1.5, "b": -0.0, "big": 12345678901234567890, "list": [True, None]},
+                }
+            ],
+        },
         {"role": "tool", "toolCallId": "c1", "content": [{"type": "text", "text": "  padded  "}]},
     ]
     session = demo.create_session("echo", messages=messages)
@@ -54,7 +73,9 @@ def test_history_keeps_text_exactly_as_accepted(demo):
 
 def test_full_history_keeps_everything_while_compacted_is_what_the_agent_sees(demo):
     # echo-small keeps a compacted window of 3 messages (tests/agents.yaml).
-    session = demo.create_session("echo-small", messages=[{"role": "user", "content": "seed"}, {"role": "assistant", "content": "ok"}])
+    session = demo.create_session(
+        "echo-small", messages=[{"role": "user", "content": "seed"}, {"role": "assistant", "content": "ok"}]
+    )
     for text in ("one", "two", "three"):
         assert demo.turn(session, text=text).stop_reason == "end_turn"
     full = demo.history(session, "full")
@@ -62,7 +83,7 @@ def test_full_history_keeps_everything_while_compacted_is_what_the_agent_sees(de
     assert [m["content"] for m in full if m["role"] == "user"] == ["seed", "one", "two", "three"]
     assert full[-1] == {"role": "assistant", "content": [{"type": "text", "text": "echo: three"}]}
     compacted = demo.history(session, "compacted")
-    assert compacted == full[-len(compacted):] and len(compacted) <= 3
+    assert compacted == full[-len(compacted) :] and len(compacted) <= 3
 
 
 def test_a_long_seed_starts_compacted_history_at_the_agents_window(demo):
@@ -71,8 +92,12 @@ def test_a_long_seed_starts_compacted_history_at_the_agents_window(demo):
     seed = []
     for i in range(4):
         seed.append({"role": "user", "content": f"question {i}"})
-        seed.append({"role": "assistant", "content": [
-            {"type": "tool_use", "toolCallId": f"c{i}", "name": "clock", "input": {}}]})
+        seed.append(
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "toolCallId": f"c{i}", "name": "clock", "input": {}}],
+            }
+        )
         seed.append({"role": "tool", "toolCallId": f"c{i}", "content": f"t{i}"})
     session = demo.create_session("echo-small", messages=seed)
     assert demo.history(session, "full") == seed

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def session_pk():
     call_command("seed_demo", stdout=open("/dev/null", "w"))
-    created = session_create(tenant=Tenant.objects.get(name="demo"), agent_config={"name": "echo"}, messages=None,
-                             tools=None)
+    created = session_create(
+        tenant=Tenant.objects.get(name="demo"), agent_config={"name": "echo"}, messages=None, tools=None
+    )
     return Session.objects.get(public_id=created.public_id).pk
 
 
@@ -72,8 +73,12 @@ def test_a_compaction_is_noticed_and_the_history_read_again(session_pk):
         session.answer(f"answer {number}")
     rows, _ = kept.load(session_pk, turn_id)
     # The oldest message alone replaced by a one-message summary: same count of rows before the cut.
-    apply_compaction(session_pk, session.seq, rows, Compaction(keep_last=len(rows) - 1,
-                                                               summary=[{"role": "system", "content": "summary"}]))
+    apply_compaction(
+        session_pk,
+        session.seq,
+        rows,
+        Compaction(keep_last=len(rows) - 1, summary=[{"role": "system", "content": "summary"}]),
+    )
     turn_id = session.start_turn("question 6")
     rows, incoming = kept.load(session_pk, turn_id)
     assert kept.parsed_last == len(rows)  # read again
@@ -106,8 +111,9 @@ def test_planning_the_same_turn_again_still_finds_its_messages(session_pk):
 
 
 def test_a_process_keeps_a_bounded_number_of_sessions(session_pk):
-    created = session_create(tenant=Tenant.objects.get(name="demo"), agent_config={"name": "echo"}, messages=None,
-                             tools=None)
+    created = session_create(
+        tenant=Tenant.objects.get(name="demo"), agent_config={"name": "echo"}, messages=None, tools=None
+    )
     other_pk = Session.objects.get(public_id=created.public_id).pk
     kept = KeptHistories(size=1)
     one, two = Session_(session_pk), Session_(other_pk)

@@ -19,17 +19,31 @@ def test_tenant_limits_are_edited_in_admin(admin_client):
     page = admin_client.get(f"/admin/hosting/tenant/{tenant.pk}/change/").content.decode()
     assert "Limits" in page and "max_running_turns" in page and "tokens_per_day" in page
     form = {
-        "name": "admin-limits", "title": "", "is_active": "on",
-        "max_running_turns": "3", "max_queued_turns": "", "turns_per_minute": "0",
-        "max_sessions": "10", "tokens_per_day": "50000", "weight": "3",
-        "tokens-TOTAL_FORMS": "0", "tokens-INITIAL_FORMS": "0", "tokens-MIN_NUM_FORMS": "0",
-        "tokens-MAX_NUM_FORMS": "1000", "_save": "Save",
+        "name": "admin-limits",
+        "title": "",
+        "is_active": "on",
+        "max_running_turns": "3",
+        "max_queued_turns": "",
+        "turns_per_minute": "0",
+        "max_sessions": "10",
+        "tokens_per_day": "50000",
+        "weight": "3",
+        "tokens-TOTAL_FORMS": "0",
+        "tokens-INITIAL_FORMS": "0",
+        "tokens-MIN_NUM_FORMS": "0",
+        "tokens-MAX_NUM_FORMS": "1000",
+        "_save": "Save",
     }
     response = admin_client.post(f"/admin/hosting/tenant/{tenant.pk}/change/", form)
     assert response.status_code == 302, response.content.decode()[:2000]
     tenant.refresh_from_db()
     limits = limits_for(tenant)
-    assert (limits.max_running_turns, limits.turns_per_minute, limits.max_sessions, limits.tokens_per_day) == (3, 0, 10, 50000)
+    assert (limits.max_running_turns, limits.turns_per_minute, limits.max_sessions, limits.tokens_per_day) == (
+        3,
+        0,
+        10,
+        50000,
+    )
     assert tenant.max_queued_turns is None  # empty: the service's default
     assert tenant.weight == 3 and "Scheduling" in page
 

@@ -36,8 +36,15 @@ def test_lines_about_a_turn_carry_its_ids_and_others_do_not(captured):
             log.info("nested")
     log.info("outside")
     lines = captured()
-    assert lines[0] == {**lines[0], "level": "WARNING", "logger": "sessions_app.host", "tenant": "demo",
-                        "session": "sess_xyz", "turn": "turn_abc", "message": "server tool clock failed: TimeoutError"}
+    assert lines[0] == {
+        **lines[0],
+        "level": "WARNING",
+        "logger": "sessions_app.host",
+        "tenant": "demo",
+        "session": "sess_xyz",
+        "turn": "turn_abc",
+        "message": "server tool clock failed: TimeoutError",
+    }
     assert "time" in lines[0]
     assert lines[1]["turn"] == "turn_inner" and lines[1]["session"] == "sess_xyz"
     assert lines[2]["message"] == "outside" and not {"tenant", "session", "turn"} & set(lines[2])
@@ -46,7 +53,8 @@ def test_lines_about_a_turn_carry_its_ids_and_others_do_not(captured):
 
 def test_the_routine_sweep_logs_at_debug_only(captured):
     logging.getLogger("celery.beat").info(
-        "Scheduler: Sending due task sweep-stale-turns (sessions_app.tasks.sweep_stale_turns)")
+        "Scheduler: Sending due task sweep-stale-turns (sessions_app.tasks.sweep_stale_turns)"
+    )
     logging.getLogger("celery.worker.strategy").info("Task sessions_app.tasks.sweep_stale_turns[1f] received")
     logging.getLogger("celery.app.trace").info("Task sessions_app.tasks.sweep_stale_turns[1f] succeeded in 0.01s: 0")
     logging.getLogger("celery.app.trace").info("Task sessions_app.tasks.run_turn[2a] succeeded in 0.2s: None")
@@ -63,8 +71,9 @@ def test_a_failing_turn_is_logged_by_the_worker_with_its_ids(demo, log_dir):
     assert result.stop_reason == "error"
     deadline = time.monotonic() + 30
     while True:
-        lines = [json.loads(line) for line in (log_dir / "pg-celery.log").read_text().splitlines()
-                 if line.startswith("{")]
+        lines = [
+            json.loads(line) for line in (log_dir / "pg-celery.log").read_text().splitlines() if line.startswith("{")
+        ]
         mine = [line for line in lines if line.get("turn") == result.turn_id]
         if mine or time.monotonic() > deadline:
             break

@@ -51,7 +51,13 @@ def test_echo_is_described_as_seeded(public_meta):
     assert echo["version"] == "1.0.0"
     assert echo["title"] == "Echo"
     options = {option["name"]: option for option in echo["options"]}
-    assert options["style"] == {"type": "select", "name": "style", "title": "Style", "options": ["plain", "upper"], "default": "plain"}
+    assert options["style"] == {
+        "type": "select",
+        "name": "style",
+        "title": "Style",
+        "options": ["plain", "upper"],
+        "default": "plain",
+    }
     assert options["signature"]["type"] == "text" and options["signature"]["default"] == ""
     assert options["apiKey"]["type"] == "secret"
     tools = {tool["name"]: tool for tool in echo["tools"]}
@@ -91,7 +97,11 @@ def test_secret_defaults_are_never_revealed(pg_stack, public_meta, demo, other):
 def test_every_secret_option_in_meta_is_redacted(pg_stack, public_meta, db_access):
     from agents.models import AgentOption
 
-    listed = {(agent["name"], option["name"]): option for agent in public_meta["agents"] for option in agent.get("options", [])}
+    listed = {
+        (agent["name"], option["name"]): option
+        for agent in public_meta["agents"]
+        for option in agent.get("options", [])
+    }
     for option in AgentOption.objects.filter(type="secret").select_related("agent"):
         key = (option.agent.name, option.name)
         if key in listed:

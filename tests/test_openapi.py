@@ -110,8 +110,20 @@ def test_generating_the_document_gives_no_warning_or_error(tmp_path):
 
     env = {**os.environ, "HOSTING_VAR_DIR": str(tmp_path)}
     result = subprocess.run(
-        [sys.executable, "manage.py", "spectacular", "--validate", "--fail-on-warn", "--file", str(tmp_path / "schema.yaml")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "manage.py",
+            "spectacular",
+            "--validate",
+            "--fail-on-warn",
+            "--file",
+            str(tmp_path / "schema.yaml"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Warning" not in result.stderr and "Error" not in result.stderr, result.stderr
@@ -122,8 +134,12 @@ def test_the_document_states_the_limits_the_server_enforces(document):
     assert (limit["minimum"], limit["maximum"]) == (1, 100)
     events = _operation(document, "/v1/sessions/{session_id}/turns/{turn_id}/events", "get")
     assert _parameter(events, "Last-Event-ID")["schema"]["minimum"] == 0
-    turn = _schema(document, _operation(document, "/v1/sessions/{session_id}/turns", "post")
-                   ["requestBody"]["content"]["application/json"]["schema"])
+    turn = _schema(
+        document,
+        _operation(document, "/v1/sessions/{session_id}/turns", "post")["requestBody"]["content"]["application/json"][
+            "schema"
+        ],
+    )
     assert turn["properties"]["messages"]["minItems"] == 1
     for name, schema in document["components"]["schemas"].items():
         if name.endswith("Request") or name.endswith("Message") and "properties" in schema:
@@ -133,16 +149,36 @@ def test_the_document_states_the_limits_the_server_enforces(document):
 
 def test_messages_blocks_and_events_are_schemas_not_prose(document):
     schemas = document["components"]["schemas"]
-    for name in ("UserMessage", "AssistantMessage", "ToolMessage", "ToolPermissionMessage", "SystemMessage",
-                 "TextBlock", "ToolUseBlock", "ImageBlock", "TurnStartEvent", "TextDeltaEvent", "ToolCallEvent",
-                 "TurnStopEvent"):
+    for name in (
+        "UserMessage",
+        "AssistantMessage",
+        "ToolMessage",
+        "ToolPermissionMessage",
+        "SystemMessage",
+        "TextBlock",
+        "ToolUseBlock",
+        "ImageBlock",
+        "TurnStartEvent",
+        "TextDeltaEvent",
+        "ToolCallEvent",
+        "TurnStopEvent",
+    ):
         assert schemas[name]["type"] == "object" and schemas[name]["additionalProperties"] is False, name
         assert name == "TurnStartEvent" or schemas[name]["required"], name
     stream = _operation(document, "/v1/sessions/{session_id}/turns", "post")["responses"]["200"]["content"]
     assert set(stream) == {"application/json", "text/event-stream"}
     event = _schema(document, stream["text/event-stream"]["schema"])
     names = {variant["properties"]["event"]["enum"][0] for variant in event["oneOf"]}
-    assert names == {"turn_start", "text_delta", "thinking_delta", "text", "thinking", "tool_call", "tool_result", "turn_stop"}
+    assert names == {
+        "turn_start",
+        "text_delta",
+        "thinking_delta",
+        "text",
+        "thinking",
+        "tool_call",
+        "tool_result",
+        "turn_stop",
+    }
 
 
 def _validator(document: dict, schema: dict):
@@ -171,9 +207,16 @@ def test_responses_match_the_documented_shapes(document, demo):
         ("/v1/meta", "get", demo.get("/v1/meta")),
         ("/v1/sessions", "get", demo.get("/v1/sessions")),
         ("/v1/sessions/{session_id}", "get", demo.get(f"/v1/sessions/{session}")),
-        ("/v1/sessions/{session_id}/turns", "post", demo.post(f"/v1/sessions/{session}/turns",
-                                                              {"messages": [{"role": "user", "content": "/think hi"}]})),
-        ("/v1/sessions/{session_id}/history", "get", demo.get(f"/v1/sessions/{session}/history", params={"type": "full"})),
+        (
+            "/v1/sessions/{session_id}/turns",
+            "post",
+            demo.post(f"/v1/sessions/{session}/turns", {"messages": [{"role": "user", "content": "/think hi"}]}),
+        ),
+        (
+            "/v1/sessions/{session_id}/history",
+            "get",
+            demo.get(f"/v1/sessions/{session}/history", params={"type": "full"}),
+        ),
         ("/v1/sessions", "post", demo.post("/v1/sessions", {"agent": {"name": "nope"}})),
     ]
     for path, method, response in checks:

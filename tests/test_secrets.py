@@ -113,7 +113,7 @@ def test_agent_secret_default_is_ciphertext_at_rest(pg_stack, db_access):
 
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT o.\"default\" FROM agents_agentoption o JOIN agents_agent a ON a.id = o.agent_id "
+            'SELECT o."default" FROM agents_agentoption o JOIN agents_agent a ON a.id = o.agent_id '
             "WHERE a.name = 'echo-small' AND o.name = 'apiKey'"
         )
         (stored,) = cursor.fetchone()

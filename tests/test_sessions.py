@@ -92,12 +92,24 @@ def test_minimal_session_has_only_its_agent_name(demo):
 def test_seed_messages_are_the_history_exactly(demo):
     messages = [
         {"role": "system", "content": "Be brief. Ünïcödé ✓ 日本語"},
-        {"role": "user", "content": [{"type": "text", "text": "  spaced  "}, {"type": "image", "url": "https://example.com/a.png"}]},
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "hmm"},
-            {"type": "text", "text": "calling"},
-            {"type": "tool_use", "toolCallId": "call_1", "name": "lookup", "input": {"word": "x", "nested": {"n": [1, 2.5, None]}}},
-        ], "_meta": {"kept": "as sent"}},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "  spaced  "}, {"type": "image", "url": "https://example.com/a.png"}],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "hmm"},
+                {"type": "text", "text": "calling"},
+                {
+                    "type": "tool_use",
+                    "toolCallId": "call_1",
+                    "name": "lookup",
+                    "input": {"word": "x", "nested": {"n": [1, 2.5, None]}},
+                },
+            ],
+            "_meta": {"kept": "as sent"},
+        },
         {"role": "tool", "toolCallId": "call_1", "content": "found"},
         {"role": "assistant", "content": "done"},
     ]
@@ -115,11 +127,18 @@ def test_restricted_agent_is_usable_by_its_tenant_only(demo, other):
 # --- every 400 rule of POST /v1/sessions ------------------------------------------------------
 
 VALID = {
-    "agent": {"name": "echo", "options": {"style": "plain", "signature": "s"}, "tools": [{"name": "clock", "trust": True}]},
+    "agent": {
+        "name": "echo",
+        "options": {"style": "plain", "signature": "s"},
+        "tools": [{"name": "clock", "trust": True}],
+    },
     "messages": [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-        {"role": "assistant", "content": [{"type": "tool_use", "toolCallId": "c1", "name": "lookup", "input": {"word": "w"}}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "toolCallId": "c1", "name": "lookup", "input": {"word": "w"}}],
+        },
         {"role": "tool", "toolCallId": "c1", "content": "ok"},
     ],
     "tools": [CLIENT_TOOL],
@@ -175,10 +194,18 @@ CREATE_RULES = {
     "client tool without parameters": (mutate("tools", [tool(parameters=_DROP)]), ["parameters"]),
     "parameters is a string": (mutate("tools", [tool(parameters="object")]), ["parameters"]),
     "parameters is a list": (mutate("tools", [tool(parameters=[{"type": "object"}])]), ["parameters"]),
-    "parameters with an unknown type": (mutate("tools", [tool(parameters={"type": "nonsense"})]), ["parameters", "schema"]),
+    "parameters with an unknown type": (
+        mutate("tools", [tool(parameters={"type": "nonsense"})]),
+        ["parameters", "schema"],
+    ),
     "parameters with a bad nested schema": (
-        mutate("tools", [tool(parameters={"type": "object", "properties": {"a": {"type": 5}}})]), ["parameters", "schema"]),
-    "parameters with required not a list": (mutate("tools", [tool(parameters={"type": "object", "required": "word"})]), ["schema"]),
+        mutate("tools", [tool(parameters={"type": "object", "properties": {"a": {"type": 5}}})]),
+        ["parameters", "schema"],
+    ),
+    "parameters with required not a list": (
+        mutate("tools", [tool(parameters={"type": "object", "required": "word"})]),
+        ["schema"],
+    ),
     "tools is an object": (mutate("tools", CLIENT_TOOL), ["tools"]),
     "client tool collides with an enabled server tool": (mutate("tools", [tool(name="clock")]), ["clock", "collision"]),
     "client tool names repeated": (mutate("tools", [CLIENT_TOOL, tool(description="again")]), ["lookup"]),
@@ -186,29 +213,44 @@ CREATE_RULES = {
     "message is a string": (mutate("messages.0", "hello"), ["messages"]),
     "message without role": (mutate("messages.0.role", delete=True), ["role"]),
     "unknown role": (mutate("messages.0.role", "robot"), ["role"]),
-    "tool_permission is not history": (mutate("messages.3", {"role": "tool_permission", "toolCallId": "c1", "granted": True}), ["role"]),
+    "tool_permission is not history": (
+        mutate("messages.3", {"role": "tool_permission", "toolCallId": "c1", "granted": True}),
+        ["role"],
+    ),
     "content is a number": (mutate("messages.1.content", 42), ["content"]),
     "content is null": (mutate("messages.1.content", None), ["content"]),
     "content missing": (mutate("messages.1.content", delete=True), ["content"]),
     "system content is blocks": (mutate("messages.0.content", [{"type": "text", "text": "x"}]), ["content"]),
     "user content holds thinking": (mutate("messages.1.content", [{"type": "thinking", "thinking": "x"}]), ["content"]),
     "user content holds tool_use": (
-        mutate("messages.1.content", [{"type": "tool_use", "toolCallId": "c", "name": "n", "input": {}}]), ["content"]),
+        mutate("messages.1.content", [{"type": "tool_use", "toolCallId": "c", "name": "n", "input": {}}]),
+        ["content"],
+    ),
     "assistant content holds an image": (
-        mutate("messages.2.content", [{"type": "image", "url": "https://example.com/a.png"}]), ["content"]),
+        mutate("messages.2.content", [{"type": "image", "url": "https://example.com/a.png"}]),
+        ["content"],
+    ),
     "block without type": (mutate("messages.1.content", [{"text": "x"}]), ["content"]),
     "text block without text": (mutate("messages.1.content", [{"type": "text"}]), ["text"]),
     "text block text is a number": (mutate("messages.1.content", [{"type": "text", "text": 1}]), ["text"]),
     "tool_use input is a list": (
-        mutate("messages.2.content", [{"type": "tool_use", "toolCallId": "c1", "name": "lookup", "input": []}]), ["input"]),
+        mutate("messages.2.content", [{"type": "tool_use", "toolCallId": "c1", "name": "lookup", "input": []}]),
+        ["input"],
+    ),
     "tool_use without toolCallId": (
-        mutate("messages.2.content", [{"type": "tool_use", "name": "lookup", "input": {}}]), ["toolCallId"]),
+        mutate("messages.2.content", [{"type": "tool_use", "name": "lookup", "input": {}}]),
+        ["toolCallId"],
+    ),
     "tool message without toolCallId": (mutate("messages.3.toolCallId", delete=True), ["toolCallId"]),
     "tool message toolCallId is a number": (mutate("messages.3.toolCallId", 1), ["toolCallId"]),
     "image url is not https or data": (
-        mutate("messages.1.content", [{"type": "image", "url": "ftp://example.com/a.png"}]), ["url"]),
+        mutate("messages.1.content", [{"type": "image", "url": "ftp://example.com/a.png"}]),
+        ["url"],
+    ),
     "image url is plain http": (
-        mutate("messages.1.content", [{"type": "image", "url": "http://example.com/a.png"}]), ["url"]),
+        mutate("messages.1.content", [{"type": "image", "url": "http://example.com/a.png"}]),
+        ["url"],
+    ),
 }
 
 
@@ -261,8 +303,9 @@ def test_another_tenants_session_does_not_exist_for_you(demo, other):
         assert_404(other.get(f"/v1/sessions/{session_id}/turns/turn_x/events"))
         assert_404(other.post(f"/v1/sessions/{session_id}/turns/turn_x/cancel"))
     # The same answer as for a session that does not exist: no existence oracle.
-    assert other.get(f"/v1/sessions/{session}").json()["error"].replace(session, "ID") == \
-        other.get(f"/v1/sessions/{missing}").json()["error"].replace(missing, "ID")
+    assert other.get(f"/v1/sessions/{session}").json()["error"].replace(session, "ID") == other.get(
+        f"/v1/sessions/{missing}"
+    ).json()["error"].replace(missing, "ID")
     listed = all_session_ids(other)
     assert session not in listed
     # The owner still has it, untouched.
@@ -334,7 +377,10 @@ def test_pages_are_newest_first_and_stable_while_sessions_are_added(fresh):
 
 
 def test_list_entries_are_session_infos(fresh):
-    body = {"agent": {"name": "echo", "options": {"style": "upper"}, "tools": [{"name": "add"}]}, "tools": [CLIENT_TOOL]}
+    body = {
+        "agent": {"name": "echo", "options": {"style": "upper"}, "tools": [{"name": "add"}]},
+        "tools": [CLIENT_TOOL],
+    }
     session = fresh.post("/v1/sessions", body).json()["sessionId"]
     first = fresh.get("/v1/sessions", params={"limit": 1}).json()
     assert first["sessions"] == [fresh.get(f"/v1/sessions/{session}").json()]
@@ -365,9 +411,20 @@ def _b64(text: str) -> str:
     return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
 
 
-@pytest.mark.parametrize("cursor", [
-    "garbage", "!!!", "czE6", _b64("s1:abc"), _b64("s2:5"), _b64("s1:-3"), _b64("5"), "A" * 5000, "\u00e9\u00e9",
-])
+@pytest.mark.parametrize(
+    "cursor",
+    [
+        "garbage",
+        "!!!",
+        "czE6",
+        _b64("s1:abc"),
+        _b64("s2:5"),
+        _b64("s1:-3"),
+        _b64("5"),
+        "A" * 5000,
+        "\u00e9\u00e9",
+    ],
+)
 def test_a_cursor_the_server_did_not_issue_is_refused(demo, cursor):
     assert_400(demo.get("/v1/sessions", params={"after": cursor}), "after")
 
@@ -378,7 +435,9 @@ def test_a_cursor_the_server_did_not_issue_is_refused(demo, cursor):
 def test_delete_removes_the_session_and_all_its_history(demo, db_access):
     from sessions_app.models import Message, Session, Turn
 
-    session = demo.create_session("echo", messages=[{"role": "user", "content": "seed"}, {"role": "assistant", "content": "ok"}])
+    session = demo.create_session(
+        "echo", messages=[{"role": "user", "content": "seed"}, {"role": "assistant", "content": "ok"}]
+    )
     assert demo.turn(session, text="hello").status == 200
     row = Session.objects.get(public_id=session)
     assert Message.objects.filter(session=row).count() > 0 and Turn.objects.filter(session=row).count() == 1

@@ -1,14 +1,14 @@
 """The deterministic `echo` agent, for tests, demos and benchmarks.
 
-    plain text          -> "echo: T" (style=upper uppercases T; signature appends " -- S";
-                           image blocks add " [images: N]"), one text_delta per word
-    /think X            -> thinking "thinking about: X", then "echo: X"
-    /tool NAME {json}   -> one tool call; /tools [{"name", "input"}, ...] -> parallel calls;
-                           once results are in: "tool NAME returned: CONTENT" per call
-    /error /refuse /max -> raise / stop refusal / "echo: truncated" + max_tokens
-    /slow N MS          -> "tick 1 ", "tick 2 ", ... MS milliseconds apart
-    /whoami             -> style, signature, and for apiKey: the first 8 hex of sha256 of a key
-                           the session set (proof it arrived), "default" for the operator's
+plain text          -> "echo: T" (style=upper uppercases T; signature appends " -- S";
+                       image blocks add " [images: N]"), one text_delta per word
+/think X            -> thinking "thinking about: X", then "echo: X"
+/tool NAME {json}   -> one tool call; /tools [{"name", "input"}, ...] -> parallel calls;
+                       once results are in: "tool NAME returned: CONTENT" per call
+/error /refuse /max -> raise / stop refusal / "echo: truncated" + max_tokens
+/slow N MS          -> "tick 1 ", "tick 2 ", ... MS milliseconds apart
+/whoami             -> style, signature, and for apiKey: the first 8 hex of sha256 of a key
+                       the session set (proof it arrived), "default" for the operator's
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ class EchoRuntime(Runtime):
             else:
                 digest = hashlib.sha256(key.encode()).hexdigest()[:8] if key else "unset"
             await self._say(
-                ctx, f"style={ctx.options.get('style', '')} signature={ctx.options.get('signature', '')} apiKey={digest}"
+                ctx,
+                f"style={ctx.options.get('style', '')} signature={ctx.options.get('signature', '')} apiKey={digest}",
             )
             return "end_turn"
         await self._say(ctx, self._reply(ctx, text, images))
@@ -129,9 +130,7 @@ class EchoRuntime(Runtime):
         for index in range(len(history) - 1, -1, -1):
             uses = tool_uses(history[index])
             if uses:
-                results = {
-                    m["toolCallId"]: m["content"] for m in history[index + 1 :] if m.get("role") == "tool"
-                }
+                results = {m["toolCallId"]: m["content"] for m in history[index + 1 :] if m.get("role") == "tool"}
                 await self._report(ctx, [(use["name"], results.get(use["toolCallId"], "")) for use in uses])
                 return "end_turn"
         await self._say(ctx, "echo: no tool calls to report")

@@ -19,8 +19,10 @@ def _number(arguments: dict, key: str):
 
 async def _add(arguments: dict, settings: dict) -> str:
     total = _number(arguments, "a") + _number(arguments, "b")
-    if isinstance(total, float) and total.is_integer() and not (
-        isinstance(arguments["a"], float) or isinstance(arguments["b"], float)
+    if (
+        isinstance(total, float)
+        and total.is_integer()
+        and not (isinstance(arguments["a"], float) or isinstance(arguments["b"], float))
     ):
         total = int(total)
     return str(total)

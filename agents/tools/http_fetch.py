@@ -33,8 +33,33 @@ DEFAULT_SETTINGS = {
 }
 TEXT_TYPES = re.compile(r"^(text/|application/(json|xml|xhtml\+xml|javascript|ld\+json|[\w.+-]*\+(json|xml)))")
 BLOCK_TAGS = {
-    "p", "div", "br", "li", "ul", "ol", "tr", "table", "section", "article", "header", "footer", "nav",
-    "h1", "h2", "h3", "h4", "h5", "h6", "pre", "blockquote", "dt", "dd", "hr", "title", "main", "aside",
+    "p",
+    "div",
+    "br",
+    "li",
+    "ul",
+    "ol",
+    "tr",
+    "table",
+    "section",
+    "article",
+    "header",
+    "footer",
+    "nav",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "pre",
+    "blockquote",
+    "dt",
+    "dd",
+    "hr",
+    "title",
+    "main",
+    "aside",
 }
 SKIPPED_TAGS = {"script", "style", "noscript", "template", "svg", "iframe", "object", "canvas"}
 
@@ -116,8 +141,9 @@ async def _read_body(response: httpx.Response, limit: int) -> tuple[bytes, bool]
 
 async def _fetch(url: str, opts: dict) -> str:
     transport = GuardedTransport(allow_private=bool(opts["allowPrivateAddresses"]))
-    async with httpx.AsyncClient(transport=transport, trust_env=False, follow_redirects=False,
-                                 timeout=opts["timeoutSeconds"]) as client:
+    async with httpx.AsyncClient(
+        transport=transport, trust_env=False, follow_redirects=False, timeout=opts["timeoutSeconds"]
+    ) as client:
         for _ in range(int(opts["maxRedirects"]) + 1):
             target = httpx.URL(url)
             if target.scheme not in ("http", "https") or not target.host:

@@ -8,8 +8,9 @@ from django.shortcuts import render
 
 def try_page(request):
     if not settings.AAP_TRY_PAGE:
-        return JsonResponse({"error": "The /try/ page is off; the operator can enable it with AAP_TRY_PAGE=true."},
-                            status=404)
+        return JsonResponse(
+            {"error": "The /try/ page is off; the operator can enable it with AAP_TRY_PAGE=true."}, status=404
+        )
     if request.method not in ("GET", "HEAD"):
         return JsonResponse({"error": "The /try/ page only answers GET."}, status=405, headers={"Allow": "GET, HEAD"})
     response = render(request, "playground/try.html")

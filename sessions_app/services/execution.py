@@ -45,7 +45,9 @@ def _server_bindings(agent: AgentDefinition, refs: list[dict] | None) -> dict[st
     return bindings
 
 
-def _plan(turn_id: str, claimed: turn_store.ClaimedTurn, session: turn_store.TurnSession) -> tuple[host.TurnPlan, list[tuple[int, dict]]]:
+def _plan(
+    turn_id: str, claimed: turn_store.ClaimedTurn, session: turn_store.TurnSession
+) -> tuple[host.TurnPlan, list[tuple[int, dict]]]:
     agent = agent_definition(session.agent_id, session.agent_revision)
     compacted, incoming = kept_histories.load(claimed.session_pk, turn_id)
     permissions = [
@@ -140,7 +142,11 @@ def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn) -> None:
         except Exception:
             last = 1
         outcome = host.TurnOutcome(
-            "error", [], [], last, error="The turn could not be prepared.",
+            "error",
+            [],
+            [],
+            last,
+            error="The turn could not be prepared.",
             stop_meta={"error": "The turn could not be prepared."},
         )
         compacted = []
@@ -164,10 +170,16 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
     problem = unstorable(outcome.pending_calls)
     if problem:
         # History keeps the calls as produced (stored as text); jsonb cannot keep them pending.
-        sentence = "The agent produced a tool call that cannot be kept waiting for an answer: its input holds " \
-                   "a NUL character (\\u0000) or a non-finite number."
+        sentence = (
+            "The agent produced a tool call that cannot be kept waiting for an answer: its input holds "
+            "a NUL character (\\u0000) or a non-finite number."
+        )
         outcome = dataclasses.replace(
-            outcome, stop_reason="error", pending_calls=[], error=sentence, stop_meta={**outcome.stop_meta, "error": sentence}
+            outcome,
+            stop_reason="error",
+            pending_calls=[],
+            error=sentence,
+            stop_meta={**outcome.stop_meta, "error": sentence},
         )
     with transaction.atomic():
         ended = turn_store.end_turn(
@@ -214,17 +226,26 @@ def _reclaim_declared_lost(turn_id: str, session_pk: int, outcome: host.TurnOutc
     turn = Turn.objects.select_for_update().filter(id=turn_id).first()
     if session is None or turn is None or turn.status != Turn.DONE or turn.error != LOST_ERROR:
         return False
-    last_of_turn = Message.objects.filter(session_id=session_pk, kind=Message.FULL, turn_id=turn_id).order_by("-seq").first()
+    last_of_turn = (
+        Message.objects.filter(session_id=session_pk, kind=Message.FULL, turn_id=turn_id).order_by("-seq").first()
+    )
     if session.active_turn_id is not None or last_of_turn is None or last_of_turn.seq != session.message_seq:
         logger.warning("turn %s finished after it was declared lost and its session moved on; kept as lost", turn_id)
         return False
     cut = turn.output_seq or session.message_seq + 1
     Message.objects.filter(session_id=session_pk, turn_id=turn_id, seq__gte=cut).delete()
     Session.objects.filter(pk=session_pk).update(message_seq=cut - 1)
-    Turn.objects.filter(id=turn_id).update(status=Turn.RUNNING, stop_reason="", error="", finished_at=None, output_seq=0)
+    Turn.objects.filter(id=turn_id).update(
+        status=Turn.RUNNING, stop_reason="", error="", finished_at=None, output_seq=0
+    )
     logger.warning("turn %s finished after it was declared lost; its real result replaces the recovered one", turn_id)
     return turn_store.end_turn(
-        turn_id, stop_reason=outcome.stop_reason, cancelled=outcome.cancelled, error=outcome.error[:500],
-        prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
-        model_calls=outcome.model_calls, produced=bool(outcome.messages),
+        turn_id,
+        stop_reason=outcome.stop_reason,
+        cancelled=outcome.cancelled,
+        error=outcome.error[:500],
+        prompt_tokens=outcome.prompt_tokens,
+        completion_tokens=outcome.completion_tokens,
+        model_calls=outcome.model_calls,
+        produced=bool(outcome.messages),
     )

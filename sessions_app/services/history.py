@@ -11,7 +11,9 @@ from ..models import Message, Session, Turn
 from ..protocol import dumps, tool_uses
 
 
-def append_messages(session: Session, messages: list[dict], *, turn: Turn | None = None, compacted_from: int = 0) -> list[int]:
+def append_messages(
+    session: Session, messages: list[dict], *, turn: Turn | None = None, compacted_from: int = 0
+) -> list[int]:
     """Append messages to a session's full history, and those from `compacted_from` on to
     its compacted history too (the caller saves session.message_seq)."""
     seqs = turn_store.insert_messages(
@@ -34,8 +36,10 @@ def apply_compaction(session_pk: int, message_seq: int, compacted: list[tuple[in
     if compaction.summary:
         first = cutoff - len(compaction.summary)
         turn_store.insert_message_rows(
-            [(session_pk, Message.COMPACTED, first + i, m.get("role", ""), dumps(m), None)
-             for i, m in enumerate(compaction.summary)]
+            [
+                (session_pk, Message.COMPACTED, first + i, m.get("role", ""), dumps(m), None)
+                for i, m in enumerate(compaction.summary)
+            ]
         )
 
 
@@ -51,7 +55,9 @@ def seed_compaction_start(agent: Agent, messages: list[dict]) -> int:
     return start
 
 
-def pending_from_history(messages: list[dict], client_tools: list[dict] | None, server_refs: list[dict] | None) -> list[dict]:
+def pending_from_history(
+    messages: list[dict], client_tools: list[dict] | None, server_refs: list[dict] | None
+) -> list[dict]:
     """Unresolved tool calls at the end of a seeded history, so an application can resume."""
     answered = {m.get("toolCallId") for m in messages if m.get("role") == "tool"}
     for message in reversed(messages):

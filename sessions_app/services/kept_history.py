@@ -47,7 +47,7 @@ class KeptHistories:
             if top == kept.top_id and count <= len(kept.rows):
                 # Unchanged, or compaction only dropped rows at the start (a window): the
                 # rows left are the kept copy's last `count`. A summary inserted moves `top`.
-                rows = list(kept.rows[len(kept.rows) - count:]) if count else []
+                rows = list(kept.rows[len(kept.rows) - count :]) if count else []
             else:
                 kept = None
         if kept is None:

@@ -48,7 +48,7 @@ def _produced_before_loss(turn: Turn, streamed: list[tuple[int, dict]]) -> tuple
 
         checkpoint = json.loads(turn.partial)
         if len(checkpoint) >= len(shown) and fold(checkpoint[: len(shown)]) == fold(shown):
-            return fold(checkpoint), checkpoint[len(shown):]
+            return fold(checkpoint), checkpoint[len(shown) :]
     return fold(shown), []
 
 
@@ -67,7 +67,11 @@ def finalize_if_lost(turn: Turn, session: Session) -> bool:
     produced, unsent = _produced_before_loss(turn, streamed)
     message = LOST_ERROR
     Turn.objects.filter(id=turn.id).update(
-        status=Turn.DONE, stop_reason="error", error=message, finished_at=timezone.now(), partial="",
+        status=Turn.DONE,
+        stop_reason="error",
+        error=message,
+        finished_at=timezone.now(),
+        partial="",
         output_seq=session.message_seq + 1 if produced else 0,
     )
     append_messages(session, produced, turn=turn)

@@ -19,23 +19,37 @@ from .validation import check_images, merge_options, validate_client_tools, vali
 logger = logging.getLogger(__name__)
 
 
-def session_create(*, tenant, agent_config: dict, messages: list[dict] | None, tools: list[dict] | None,
-                   idempotency: tuple[str, str] | None = None) -> Session:
+def session_create(
+    *,
+    tenant,
+    agent_config: dict,
+    messages: list[dict] | None,
+    tools: list[dict] | None,
+    idempotency: tuple[str, str] | None = None,
+) -> Session:
     """Create a session (validated against the agent) and store its seed history.
 
     `idempotency` is (Idempotency-Key, request fingerprint): a retry of the same request
     gets the same session back instead of a second one."""
     created, row = idempotency_keys.create_once(
-        lambda: _session_create(tenant=tenant, agent_config=agent_config, messages=messages, tools=tools,
-                                idempotency=idempotency),
-        tenant, idempotency,
+        lambda: _session_create(
+            tenant=tenant, agent_config=agent_config, messages=messages, tools=tools, idempotency=idempotency
+        ),
+        tenant,
+        idempotency,
     )
     return created if created is not None else Session(public_id=row.session_public_id)
 
 
 @transaction.atomic
-def _session_create(*, tenant, agent_config: dict, messages: list[dict] | None, tools: list[dict] | None,
-                    idempotency: tuple[str, str] | None) -> Session:
+def _session_create(
+    *,
+    tenant,
+    agent_config: dict,
+    messages: list[dict] | None,
+    tools: list[dict] | None,
+    idempotency: tuple[str, str] | None,
+) -> Session:
     from agents.selectors import agent_for_tenant
 
     row = idempotency_keys.replayed(tenant, idempotency)
@@ -86,7 +100,9 @@ def session_delete(*, tenant, session_id: str) -> None:
         session.delete()
     try:
         host.run_sync(
-            runtime_for(agent.runtime_kind).on_session_deleted(session_id=session_id, tenant=tenant.name, config=agent.runtime_config),
+            runtime_for(agent.runtime_kind).on_session_deleted(
+                session_id=session_id, tenant=tenant.name, config=agent.runtime_config
+            ),
             timeout=30,
         )
     except Exception as exc:

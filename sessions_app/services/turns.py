@@ -32,7 +32,8 @@ def turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, s
     """
     created, row = idempotency_keys.create_once(
         lambda: _turn_start(tenant=tenant, session_id=session_id, data=data, idempotency=idempotency),
-        tenant, idempotency,
+        tenant,
+        idempotency,
     )
     return created if created is not None else _replayed_turn(row)
 
@@ -88,7 +89,11 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         incoming = tool_messages if session.pending_calls else messages
         turn_store.insert_messages(session.pk, session.message_seq + 1, incoming, turn_id=turn.id)
         turn_store.update_session(
-            session.pk, pending_calls=[], active_turn=turn.id, message_seq=session.message_seq + len(incoming), **changes
+            session.pk,
+            pending_calls=[],
+            active_turn=turn.id,
+            message_seq=session.message_seq + len(incoming),
+            **changes,
         )
         idempotency_keys.remember(tenant, idempotency, session.public_id, turn.id)
         # `turn_start` (event 1) before the commit: a client sees its turn begin at once, and

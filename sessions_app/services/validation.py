@@ -24,8 +24,7 @@ def merge_options(agent: Agent | AgentDefinition, stored: dict, incoming: dict) 
     if unknown:
         names = ", ".join(declared) or "none"
         raise BadRequest(
-            f"Unknown option {', '.join(repr(u) for u in unknown)} for agent '{agent.name}'; "
-            f"its options are: {names}.",
+            f"Unknown option {', '.join(repr(u) for u in unknown)} for agent '{agent.name}'; its options are: {names}.",
             details={"unknownOptions": unknown},
         )
     merged = dict(stored)
@@ -79,7 +78,9 @@ def validate_server_tools(agent: Agent | AgentDefinition, refs: list[dict]) -> l
     return [{"name": ref["name"], "trust": bool(ref.get("trust", False))} for ref in refs]
 
 
-def validate_client_tools(agent: Agent | AgentDefinition, tools: list[dict] | None, server_refs: list[dict] | None) -> None:
+def validate_client_tools(
+    agent: Agent | AgentDefinition, tools: list[dict] | None, server_refs: list[dict] | None
+) -> None:
     if tools is None:
         return
     if tools and "application" not in agent.capabilities():

@@ -31,7 +31,9 @@ class Api:
         return self.client.post(path, data=data, content_type="application/json", **self.headers, **headers)
 
     def put(self, path: str, body: Any = None, **headers: str):
-        return self.client.put(path, data=json.dumps(body or {}), content_type="application/json", **self.headers, **headers)
+        return self.client.put(
+            path, data=json.dumps(body or {}), content_type="application/json", **self.headers, **headers
+        )
 
     def create_session(self, body: Any = None) -> str:
         response = self.post("/v1/sessions", body or {"agent": {"name": "echo"}})

@@ -91,8 +91,17 @@ class Postgres:
             shutil.chown(self.data, user)
             shutil.chown(self.sockets, user)
             shutil.chown(self.log, user)
-        self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
-                  "--encoding=UTF8", "--locale=C", "--no-sync")
+        self._run(
+            str(self.bindir / "initdb"),
+            "-D",
+            str(self.data),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--locale=C",
+            "--no-sync",
+        )
         with open(self.data / "postgresql.conf", "a") as conf:
             conf.write(
                 f"listen_addresses = '127.0.0.1'\nport = {self.port}\n"
@@ -110,18 +119,46 @@ class Postgres:
 
     def restart_fast(self) -> None:
         """What a failover or an operator's `pg_ctl restart -m fast` does: every connection dies."""
-        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-m", "fast", "-w",
-                  "-t", "60", "restart")
+        self._run(
+            str(self.bindir / "pg_ctl"),
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.log),
+            "-m",
+            "fast",
+            "-w",
+            "-t",
+            "60",
+            "restart",
+        )
 
     def running(self) -> bool:
-        result = subprocess.run([*self.runas, str(self.bindir / "pg_ctl"), "-D", str(self.data), "status"],
-                                capture_output=True, cwd=self.root)
+        result = subprocess.run(
+            [*self.runas, str(self.bindir / "pg_ctl"), "-D", str(self.data), "status"],
+            capture_output=True,
+            cwd=self.root,
+        )
         return result.returncode == 0
 
     def stop(self) -> None:
         if self.data.exists() and self.running():
-            subprocess.run([*self.runas, str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate",
-                            "-w", "-t", "30", "stop"], capture_output=True, cwd=self.root)
+            subprocess.run(
+                [
+                    *self.runas,
+                    str(self.bindir / "pg_ctl"),
+                    "-D",
+                    str(self.data),
+                    "-m",
+                    "immediate",
+                    "-w",
+                    "-t",
+                    "30",
+                    "stop",
+                ],
+                capture_output=True,
+                cwd=self.root,
+            )
 
 
 def _user_exists(name: str) -> bool:
@@ -146,9 +183,25 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(self.root), "--logfile", str(self.root / "redis.log")],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            [
+                self.binary,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.root),
+                "--logfile",
+                str(self.root / "redis.log"),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         import redis
 
@@ -225,8 +278,17 @@ class ChaosStack(Stack):
 
     def start_beat(self) -> None:
         self.beat = self._spawn(
-            "beat", [str(BIN / "celery"), "-A", "hosting", "beat", "--loglevel", "INFO",
-                     "--schedule", str(self.root / "celerybeat-schedule")],
+            "beat",
+            [
+                str(BIN / "celery"),
+                "-A",
+                "hosting",
+                "beat",
+                "--loglevel",
+                "INFO",
+                "--schedule",
+                str(self.root / "celerybeat-schedule"),
+            ],
         )
 
     def ensure_up(self, workers: tuple[str, ...] = ("a", "b")) -> None:

@@ -20,7 +20,9 @@ SILENCE_SECONDS = 15.0
 
 def ticks(n: int) -> list[dict]:
     """What `/slow N MS` produces: one text block of N ticks."""
-    return [{"role": "assistant", "content": [{"type": "text", "text": "".join(f"tick {i} " for i in range(1, n + 1))}]}]
+    return [
+        {"role": "assistant", "content": [{"type": "text", "text": "".join(f"tick {i} " for i in range(1, n + 1))}]}
+    ]
 
 
 def user(text: str) -> list[dict]:
@@ -86,8 +88,13 @@ def request(stack, method: str, path: str, *, json_body=None, headers=None) -> O
 
 def post_turn(stack, session: str, text: str, *, stream: str = "none", key: str | None = None) -> Outcome:
     headers = {"Idempotency-Key": key} if key else None
-    return request(stack, "POST", f"/v1/sessions/{session}/turns", json_body={"messages": user(text), "stream": stream},
-                   headers=headers)
+    return request(
+        stack,
+        "POST",
+        f"/v1/sessions/{session}/turns",
+        json_body={"messages": user(text), "stream": stream},
+        headers=headers,
+    )
 
 
 def in_background(pool: ThreadPoolExecutor, function, *args, **kw):

@@ -116,7 +116,8 @@ def _running_turn_ids(db: Database, sessions: list[str]) -> list[str]:
     with psycopg.connect(db.url) as conn:
         rows = conn.execute(
             "SELECT t.id FROM sessions_app_turn t JOIN sessions_app_session s ON s.id = t.session_id "
-            "WHERE s.public_id = ANY(%s)", [sessions],
+            "WHERE s.public_id = ANY(%s)",
+            [sessions],
         ).fetchall()
     return [row[0] for row in rows]
 
@@ -178,8 +179,10 @@ def test_postgres_fast_restart_under_load(chaos):
 
     with ThreadPoolExecutor(14) as pool:
         loader = pool.submit(json_requests)
-        turns = [pool.submit(post_turn, chaos, s, "/slow 10 400", stream="delta" if i < 8 else "none")
-                 for i, s in enumerate(sessions)]
+        turns = [
+            pool.submit(post_turn, chaos, s, "/slow 10 400", stream="delta" if i < 8 else "none")
+            for i, s in enumerate(sessions)
+        ]
         time.sleep(1.5)
         chaos.pg.restart_fast()
         outcomes = [f.result(timeout=120) for f in turns]

@@ -60,12 +60,14 @@ def test_converse_answers_client_tools_and_permissions(sdk):
     asked = []
     session = sdk.create_session("echo", server_tools=[{"name": "add"}], tools=registry.specs())
     turns = sdk.converse(
-        session, '/tools [{"name": "mytool", "input": {"x": 21}}, {"name": "add", "input": {"a": 1, "b": 2}}]',
-        registry=registry, permit=lambda call: asked.append(call["name"]) or True,
+        session,
+        '/tools [{"name": "mytool", "input": {"x": 21}}, {"name": "add", "input": {"a": 1, "b": 2}}]',
+        registry=registry,
+        permit=lambda call: asked.append(call["name"]) or True,
     )
     assert [t.stop_reason for t in turns] == ["tool_use", "end_turn"]
     assert seen == [{"x": 21}] and asked == ["add"]
-    assert "tool mytool returned: {\"found\": 42}" in turns[-1].text
+    assert 'tool mytool returned: {"found": 42}' in turns[-1].text
     assert "tool add returned: 3" in turns[-1].text
     denied = sdk.converse(session, '/tool add {"a": 1, "b": 1}', permit=lambda call: (False, "not today"))
     assert "Tool call denied: not today" in denied[-1].text

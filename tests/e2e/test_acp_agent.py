@@ -32,11 +32,16 @@ def fake_agent(name: str, **config) -> dict:
     return {
         "name": name,
         "title": f"Scripted ACP agent {name}",
-        "runtime": {"kind": "acp", "config": {
-            "command": FAKE, "env": env, "readPaths": FAKE_INSTALL,
-            "options": {"model": {"configOption": "model"}, "apiKey": {"env": "FAKE_API_KEY"}},
-            **config,
-        }},
+        "runtime": {
+            "kind": "acp",
+            "config": {
+                "command": FAKE,
+                "env": env,
+                "readPaths": FAKE_INSTALL,
+                "options": {"model": {"configOption": "model"}, "apiKey": {"env": "FAKE_API_KEY"}},
+                **config,
+            },
+        },
         "options": [
             {"type": "select", "name": "model", "options": ["fast", "smart"], "default": "fast"},
             {"type": "secret", "name": "apiKey", "default": OPERATOR_SECRET},
@@ -96,8 +101,9 @@ def said(client, session: str, text: str, **body) -> str:
     """Run a user turn that must end normally; returns the assistant's text."""
     result = checked_turn(client, session, user(text), **body)
     assert result.stop_reason == "end_turn", result.body or result.names
-    return "".join(b["text"] for m in result.messages if m["role"] == "assistant" for b in m["content"]
-                   if b["type"] == "text")
+    return "".join(
+        b["text"] for m in result.messages if m["role"] == "assistant" for b in m["content"] if b["type"] == "text"
+    )
 
 
 def agent_pid(client, session: str) -> int:
@@ -150,10 +156,15 @@ def test_an_invalid_runtime_configuration_is_refused_with_a_sentence(pg, tmp_pat
 def test_text_and_thoughts_stream_in_every_mode(client):
     session = session_of(client)
     results = same_turn_in_every_mode(client, session, user("/think deep waters"))
-    assert results["none"].messages == [{"role": "assistant", "content": [
-        {"type": "thinking", "thinking": "thinking about: deep waters"},
-        {"type": "text", "text": "echo: deep waters"},
-    ]}]
+    assert results["none"].messages == [
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "thinking about: deep waters"},
+                {"type": "text", "text": "echo: deep waters"},
+            ],
+        }
+    ]
     assert deltas(results["delta"], "thinking") == ["thinking ", "about: ", "deep ", "waters"]
     assert results["message"].names == ["turn_start", "thinking", "text", "turn_stop"]
 
@@ -189,10 +200,16 @@ def test_plan_and_other_updates_never_break_the_stream(client):
     assert results["delta"].names == ["turn_start", "text_delta", "turn_stop"]
 
 
-@pytest.mark.parametrize("acp_reason, stop_reason", [
-    ("end_turn", "end_turn"), ("max_tokens", "max_tokens"), ("max_turn_requests", "max_tokens"),
-    ("refusal", "refusal"), ("cancelled", "end_turn"),
-])
+@pytest.mark.parametrize(
+    "acp_reason, stop_reason",
+    [
+        ("end_turn", "end_turn"),
+        ("max_tokens", "max_tokens"),
+        ("max_turn_requests", "max_tokens"),
+        ("refusal", "refusal"),
+        ("cancelled", "end_turn"),
+    ],
+)
 def test_prompt_stop_reasons_map_to_aap_stop_reasons(client, acp_reason, stop_reason):
     session = session_of(client)
     result = checked_turn(client, session, user(f"/stop {acp_reason}"), stream="delta")
@@ -350,7 +367,7 @@ def test_sigkill_of_the_agent_mid_turn_gives_error_and_a_working_next_turn(pg, c
     result = live.wait_end().result()
     assert result.events[-1].data["stopReason"] == "error"
     assert "exited" in result.events[-1].data["_meta"]["error"]
-    assert client.history(session)[-len(result.messages):] == result.messages
+    assert client.history(session)[-len(result.messages) :] == result.messages
     assert said(client, session, "/pid") != f"pid={pid}"
 
 

@@ -82,9 +82,15 @@ def ask_before_writing(stack, session: str) -> None:
 
 def test_agentao_answers_a_turn_in_every_mode(fake, client):
     session = session_of(client, "agentao")
-    expected = [{"role": "assistant", "content": [
-        {"type": "thinking", "thinking": "pondering"}, {"type": "text", "text": "Hello from the fake model"},
-    ]}]
+    expected = [
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "pondering"},
+                {"type": "text", "text": "Hello from the fake model"},
+            ],
+        }
+    ]
     for mode in MODES:
         fake.enqueue(FakeOpenAI.text("Hello from the fake model", reasoning="pondering"))
         result = checked_turn(client, session, user(f"say hello ({mode})"), stream=mode)
@@ -100,8 +106,14 @@ def test_agentao_answers_a_turn_in_every_mode(fake, client):
 
 def test_agentao_asks_permission_to_write_a_file_and_the_grant_writes_it(pg_stack, fake, client):
     fake.enqueue(
-        FakeOpenAI.tool_calls([{"name": "write_file",
-                                "arguments": json.dumps({"file_path": "notes.txt", "content": "written by agentao"})}]),
+        FakeOpenAI.tool_calls(
+            [
+                {
+                    "name": "write_file",
+                    "arguments": json.dumps({"file_path": "notes.txt", "content": "written by agentao"}),
+                }
+            ]
+        ),
         FakeOpenAI.text("I wrote notes.txt."),
     )
     session = session_of(client, "agentao", tools=[{"name": "edit"}])
@@ -155,9 +167,11 @@ def test_the_attack_chain_replayed_with_agentao_gets_nothing(pg_stack, fake, cli
     key.chmod(0o600)
     escape = Path("/tmp") / f"escape-{uuid.uuid4().hex}"
     redis = urlsplit(pg_stack.env["REDIS_URL"])
-    connect = ("import socket\nfor port in (5432, %d, %d):\n    try:\n        socket.create_connection(('127.0.0.1', port), 5)"
-               "\n        print('CONN' + 'ECTED', port)\n    except OSError as exc:\n        print('no', port, exc)\n"
-               % (redis.port, urlsplit(pg_stack.base_url).port))
+    connect = (
+        "import socket\nfor port in (5432, %d, %d):\n    try:\n        socket.create_connection(('127.0.0.1', port), 5)"
+        "\n        print('CONN' + 'ECTED', port)\n    except OSError as exc:\n        print('no', port, exc)\n"
+        % (redis.port, urlsplit(pg_stack.base_url).port)
+    )
     script = (
         "W=$(cut -d' ' -f4 /proc/$PPID/stat); echo uid=$(id -u); cat /etc/shadow; "
         f"cat {key}; cat /proc/{their_pid}/environ; cat /proc/$W/environ; env; "
@@ -166,18 +180,23 @@ def test_the_attack_chain_replayed_with_agentao_gets_nothing(pg_stack, fake, cli
     )
     workspace_root = workspace(pg_stack, "x").parent.parent
     fake.enqueue(
-        FakeOpenAI.tool_calls([
-            {"name": "read_file", "arguments": json.dumps({"file_path": "/etc/shadow"})},
-            {"name": "read_file", "arguments": json.dumps({"file_path": str(key)})},
-            {"name": "list_directory", "arguments": json.dumps({"path": str(workspace_root)})},
-            {"name": "run_shell_command", "arguments": json.dumps({"command": script})},
-        ]),
+        FakeOpenAI.tool_calls(
+            [
+                {"name": "read_file", "arguments": json.dumps({"file_path": "/etc/shadow"})},
+                {"name": "read_file", "arguments": json.dumps({"file_path": str(key)})},
+                {"name": "list_directory", "arguments": json.dumps({"path": str(workspace_root)})},
+                {"name": "run_shell_command", "arguments": json.dumps({"command": script})},
+            ]
+        ),
         FakeOpenAI.text("I tried."),
     )
     try:
         # The tenant enables and trusts every kind: it is the application answering permissions.
-        mine = session_of(client, "agentao", tools=[{"name": kind, "trust": True} for kind in
-                                                     ("read", "search", "execute", "edit", "other")])
+        mine = session_of(
+            client,
+            "agentao",
+            tools=[{"name": kind, "trust": True} for kind in ("read", "search", "execute", "edit", "other")],
+        )
         result = checked_turn(client, mine, user("collect everything"))
         assert result.stop_reason == "end_turn", result.body
         seen = json.dumps(fake.chat_requests()[-1]["json"]["messages"]) + json.dumps(client.history(mine))
@@ -222,8 +241,10 @@ def test_the_agentao_example_works_as_shipped_with_its_bare_command(pg_stack, fa
     config = example["runtime"]["config"]
     config["env"]["OPENAI_BASE_URL"] = fake.url
     config["egress"] = agent_config(fake)["egress"]
-    example["options"] = [{**option, "default": {"model": "fake-model", "apiKey": API_KEY}[option["name"]]}
-                          for option in example["options"]]
+    example["options"] = [
+        {**option, "default": {"model": "fake-model", "apiKey": API_KEY}[option["name"]]}
+        for option in example["options"]
+    ]
     for option in example["options"]:
         option.pop("defaultEnv")
     path = tmp_path / "agents.yaml"

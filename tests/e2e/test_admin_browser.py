@@ -21,7 +21,10 @@ def operator(pg_stack):
     """A superuser of the stack's database: (username, password)."""
     username, password = f"op-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     pg_stack.manage(
-        "shell", "-v", "0", "-c",
+        "shell",
+        "-v",
+        "0",
+        "-c",
         f"from django.contrib.auth.models import User; User.objects.create_superuser({username!r}, '', {password!r})",
     )
     return username, password
@@ -118,8 +121,9 @@ def walk_admin(page, pg_stack):
     created = api.post("/v1/sessions", json={"agent": {"name": agent}})
     assert created.status_code == 201, created.text
     session_id = created.json()["sessionId"]
-    turn = api.post(f"/v1/sessions/{session_id}/turns",
-                    json={"messages": [{"role": "user", "content": "hello from the tenant"}]})
+    turn = api.post(
+        f"/v1/sessions/{session_id}/turns", json={"messages": [{"role": "user", "content": "hello from the tenant"}]}
+    )
     assert turn.status_code == 200, turn.text
     assert "echo: HELLO FROM THE TENANT -- from the browser" in turn.text
     page.goto("/admin/hosting/tenant/")

@@ -62,10 +62,13 @@ def test_think_streams_a_thinking_part_then_the_reply(client):
     session = client.create_session("echo")
     results = same_turn_in_every_mode(client, session, user("/think about cats"))
     assert results["none"].messages == [
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "thinking about: about cats"},
-            {"type": "text", "text": "echo: about cats"},
-        ]}
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "thinking about: about cats"},
+                {"type": "text", "text": "echo: about cats"},
+            ],
+        }
     ]
     assert deltas(results["delta"], "thinking") == ["thinking ", "about: ", "about ", "cats"]
     assert results["delta"].names[1:4] == ["thinking_delta"] * 3
@@ -158,7 +161,9 @@ def test_compacted_history_never_opens_on_a_cut_off_tool_result(client):
     session = new_session(client, "echo-small", server_tools=[{"name": "clock", "trust": True}])
     checked_turn(client, session, user("first"))
     result = checked_turn(
-        client, session, user('/tools [{"name": "clock", "input": {}}, {"name": "clock", "input": {}}]'),
+        client,
+        session,
+        user('/tools [{"name": "clock", "input": {}}, {"name": "clock", "input": {}}]'),
         stream="message",
     )
     full = client.history(session)

@@ -28,8 +28,12 @@ def edge(pg_stack, log_dir):
     """A second web process on the suite's database with small limits (no worker needed)."""
     stack = Stack(
         "edge",
-        {**pg_stack.env, "AAP_MAX_BODY_BYTES": str(LIMIT), "AAP_REQUEST_HEADERS_TIMEOUT_SECONDS": str(HEADERS_TIMEOUT),
-         "AAP_REQUEST_BODY_TIMEOUT_SECONDS": str(BODY_TIMEOUT)},
+        {
+            **pg_stack.env,
+            "AAP_MAX_BODY_BYTES": str(LIMIT),
+            "AAP_REQUEST_HEADERS_TIMEOUT_SECONDS": str(HEADERS_TIMEOUT),
+            "AAP_REQUEST_BODY_TIMEOUT_SECONDS": str(BODY_TIMEOUT),
+        },
         log_dir,
     )
     stack.tokens = dict(pg_stack.tokens)
@@ -74,8 +78,10 @@ def rss_kib(pid: int) -> int:
 
 def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_sent(edge):
     sock = connect(edge)
-    sock.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 100000000\r\n\r\n")
+    sock.sendall(
+        b"POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100000000\r\n\r\n"
+    )
     status, body = status_and_json(read_all(sock))
     assert status == 413 and str(LIMIT) in body["error"]
 
@@ -83,8 +89,10 @@ def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_sent(edg
 def test_a_chunked_gigabyte_without_a_token_is_refused_once_it_passes_the_limit(edge):
     before = rss_kib(edge.web.pid)
     sock = connect(edge)
-    sock.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Transfer-Encoding: chunked\r\n\r\n")
+    sock.sendall(
+        b"POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
     chunk = b"%x\r\n" % MIB + b"[" * MIB + b"\r\n"
     sent, answer = 0, b""
     try:
@@ -106,7 +114,9 @@ def test_a_chunked_gigabyte_without_a_token_is_refused_once_it_passes_the_limit(
 
 def test_a_body_over_the_limit_with_a_valid_token_is_a_json_413(edge):
     client = edge.client("demo")
-    response = client.http.post("/v1/sessions", content=b" " * (LIMIT + 1), headers={"Content-Type": "application/json"})
+    response = client.http.post(
+        "/v1/sessions", content=b" " * (LIMIT + 1), headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 413 and "limit" in response.json()["error"]
     client.close()
 
@@ -116,8 +126,10 @@ def test_a_body_over_the_limit_with_a_valid_token_is_a_json_413(edge):
 
 def test_a_declared_body_that_never_arrives_is_answered_408(edge):
     sock = connect(edge)
-    sock.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 5000\r\n\r\n{\"agent\"")
+    sock.sendall(
+        b"POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 5000\r\n\r\n{"agent"'
+    )
     status, body = status_and_json(read_all(sock, BODY_TIMEOUT + 20))
     assert status == 408 and "body" in body["error"]
 
@@ -134,7 +146,7 @@ def test_fifty_slowloris_connections_are_all_closed(edge):
             if index in closed:
                 continue
             try:
-                sock.send(line[position % len(line): position % len(line) + 1])  # one byte, forever
+                sock.send(line[position % len(line) : position % len(line) + 1])  # one byte, forever
                 if select.select([sock], [], [], 0)[0]:
                     data = sock.recv(65536)
                     answers[index] = answers.get(index, b"") + data
@@ -181,10 +193,18 @@ def test_malformed_http_gets_a_json_400_and_a_closed_connection(edge, raw):
 @pytest.fixture(scope="module")
 def fake(pg_stack):
     server = FakeOpenAI().start()
-    pg_stack.apply_agents([llm_agent(
-        "llm-guarded", server.url, api_key="sk-operator-guarded", config={"timeoutSeconds": 10, "maxRetries": 0},
-        streams=("none",), title="Operator endpoint on loopback; applications may choose only public ones",
-    )])
+    pg_stack.apply_agents(
+        [
+            llm_agent(
+                "llm-guarded",
+                server.url,
+                api_key="sk-operator-guarded",
+                config={"timeoutSeconds": 10, "maxRetries": 0},
+                streams=("none",),
+                title="Operator endpoint on loopback; applications may choose only public ones",
+            )
+        ]
+    )
     yield server
     server.stop()
 
@@ -230,6 +250,7 @@ def test_a_base_url_the_application_chose_must_be_public(fake, target, demo, cho
 
 # --- 3. http_fetch bounds the decoded size ---------------------------------------------------------
 
+
 def gzipped_zeros(mib: int) -> bytes:
     """gzip of `mib` MiB of zeros, made without holding them: about 1 KB per MiB."""
     packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
@@ -247,8 +268,14 @@ def encoded_server():
     def page(body: bytes, encoding: str) -> tuple[bytes, dict]:
         return body, {"Content-Type": "text/html", "Content-Encoding": encoding}
 
-    with serve_pages({"/bomb": page(BOMB, "gzip"), "/double": page(DOUBLE_BOMB, "gzip, gzip"),
-                      "/page": page(DEFLATED_PAGE, "gzip"), "/br": page(b"\x0b\x02\x80hello\x03", "br")}) as url:
+    with serve_pages(
+        {
+            "/bomb": page(BOMB, "gzip"),
+            "/double": page(DOUBLE_BOMB, "gzip, gzip"),
+            "/page": page(DEFLATED_PAGE, "gzip"),
+            "/br": page(b"\x0b\x02\x80hello\x03", "br"),
+        }
+    ) as url:
         yield url
 
 
@@ -287,7 +314,10 @@ def test_http_fetch_is_refused_loopback_through_the_shared_guard(encoded_server)
 
 def test_a_seeded_pending_server_call_gets_the_tools_own_guard(pg_stack, demo, target, tmp_path):
     agent = {
-        "name": "echo-fetch", "title": "Echo with http_fetch", "version": "1.0.0", "runtime": {"kind": "echo"},
+        "name": "echo-fetch",
+        "title": "Echo with http_fetch",
+        "version": "1.0.0",
+        "runtime": {"kind": "echo"},
         "tools": [{"name": "fetch", "description": "Fetches a page.", "implementation": "http_fetch"}],
     }
     path = tmp_path / "agents.yaml"
@@ -296,11 +326,21 @@ def test_a_seeded_pending_server_call_gets_the_tools_own_guard(pg_stack, demo, t
     target.clear()
     seed = [
         {"role": "user", "content": "read it"},
-        {"role": "assistant", "content": [
-            {"type": "tool_use", "toolCallId": "call_seeded", "name": "fetch", "input": {"url": target.url + "/models"}},
-        ]},
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "tool_use",
+                    "toolCallId": "call_seeded",
+                    "name": "fetch",
+                    "input": {"url": target.url + "/models"},
+                },
+            ],
+        },
     ]
-    response = demo.post("/v1/sessions", {"agent": {"name": "echo-fetch", "tools": [{"name": "fetch"}]}, "messages": seed})
+    response = demo.post(
+        "/v1/sessions", {"agent": {"name": "echo-fetch", "tools": [{"name": "fetch"}]}, "messages": seed}
+    )
     assert response.status_code == 201, response.text
     session = response.json()["sessionId"]
     granted = [{"role": "tool_permission", "toolCallId": "call_seeded", "granted": True}]

@@ -28,12 +28,16 @@ MARGIN_SHARE = 0.25
 def timed_turn(stack, tenant: str, session: str, text: str) -> dict:
     """One streamed turn: its status, stop reason, time to first content and duration, its
     raw body."""
-    http = httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {stack.tokens[tenant]}"}, timeout=120)
+    http = httpx.Client(
+        base_url=stack.base_url, headers={"Authorization": f"Bearer {stack.tokens[tenant]}"}, timeout=120
+    )
     started = time.monotonic()
     first = None
     raw = b""
     try:
-        with http.stream("POST", f"/v1/sessions/{session}/turns", json={"messages": user(text), "stream": "delta"}) as response:
+        with http.stream(
+            "POST", f"/v1/sessions/{session}/turns", json={"messages": user(text), "stream": "delta"}
+        ) as response:
             if response.status_code != 200:
                 return {"status": response.status_code, "body": response.read()}
             for chunk in response.iter_bytes():
@@ -44,8 +48,13 @@ def timed_turn(stack, tenant: str, session: str, text: str) -> dict:
         http.close()
     events, _ = parse_sse(raw)
     return {
-        "status": 200, "stop": events[-1].data.get("stopReason"), "error": events[-1].data.get("_meta", {}).get("error"),
-        "first": first, "duration": time.monotonic() - started, "events": events, "raw": raw,
+        "status": 200,
+        "stop": events[-1].data.get("stopReason"),
+        "error": events[-1].data.get("_meta", {}).get("error"),
+        "first": first,
+        "duration": time.monotonic() - started,
+        "events": events,
+        "raw": raw,
     }
 
 
@@ -105,7 +114,7 @@ def test_a_turn_waiting_for_a_worker_says_so_until_it_starts(pg_stack, demo, oth
     first_content = raw.index(b"event: text_delta")
     heartbeats = [line for line in raw[:first_content].split(b"\n") if line.startswith(b": queued ")]
     assert heartbeats, raw[:first_content]  # it waited about 6 s: at least one heartbeat (every 5 s)
-    assert all(json.loads(line[len(b": queued "):]) == {"position": 1} for line in heartbeats)
+    assert all(json.loads(line[len(b": queued ") :]) == {"position": 1} for line in heartbeats)
     assert b": queued" not in raw[first_content:]  # once it runs, waiting is over
     assert fold_events([e.as_dict() for e in waiting["events"]]) == text_reply("echo: after the queue")
 

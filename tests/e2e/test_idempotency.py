@@ -30,8 +30,9 @@ def test_same_key_with_another_request_is_422_and_changes_nothing(stack, client)
     k = key()
     created = client.post("/v1/sessions", {"agent": {"name": "echo"}}, headers={"Idempotency-Key": k})
     assert created.status_code == 201
-    other = client.post("/v1/sessions", {"agent": {"name": "echo"}, "messages": user("x")},
-                        headers={"Idempotency-Key": k})
+    other = client.post(
+        "/v1/sessions", {"agent": {"name": "echo"}, "messages": user("x")}, headers={"Idempotency-Key": k}
+    )
     assert other.status_code == 422, other.text
     assert "Idempotency-Key" in other.json()["error"]
     # the same key on another endpoint is another request too
@@ -79,8 +80,11 @@ def test_concurrent_retries_start_one_turn(pg_stack, demo):
     def post():
         aap = pg_stack.client()
         try:
-            results.append(aap.post(f"/v1/sessions/{session}/turns", {"messages": user("together")},
-                                    headers={"Idempotency-Key": k}))
+            results.append(
+                aap.post(
+                    f"/v1/sessions/{session}/turns", {"messages": user("together")}, headers={"Idempotency-Key": k}
+                )
+            )
         finally:
             aap.close()
 
@@ -97,8 +101,11 @@ def test_concurrent_retries_start_one_turn(pg_stack, demo):
 def test_a_refused_request_does_not_use_up_its_key(stack, client):
     session = client.create_session("echo")
     k = key()
-    refused = client.post(f"/v1/sessions/{session}/turns", {"messages": [{"role": "assistant", "content": "x"}]},
-                          headers={"Idempotency-Key": k})
+    refused = client.post(
+        f"/v1/sessions/{session}/turns",
+        {"messages": [{"role": "assistant", "content": "x"}]},
+        headers={"Idempotency-Key": k},
+    )
     assert refused.status_code == 400
     # a refused request stores nothing, its key included: the corrected request may reuse it
     fixed = client.post(f"/v1/sessions/{session}/turns", {"messages": user("fixed")}, headers={"Idempotency-Key": k})

@@ -93,7 +93,9 @@ def test_reattach_answers_sse_whatever_accept_says(stack, client, accept):
 
     assert httpx.get(path, headers=_headers("not-a-token", accept), timeout=30).status_code == 401
     assert httpx.get(path, headers=_headers("", accept), timeout=30).status_code == 401
-    gone = httpx.get(path.replace(original.turn_id, "turn_nope"), headers=_headers(stack.tokens["demo"], accept), timeout=30)
+    gone = httpx.get(
+        path.replace(original.turn_id, "turn_nope"), headers=_headers(stack.tokens["demo"], accept), timeout=30
+    )
     assert gone.status_code == 404 and gone.json()["error"]
 
 
@@ -105,7 +107,10 @@ def raw_get(stack: Stack, path: str, authorization: bytes) -> tuple[int, dict, b
     trailing whitespace, but a hand-built header or another client may send it)."""
     with socket.create_connection(("127.0.0.1", stack.port), timeout=30) as sock:
         sock.sendall(
-            b"GET " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: " + authorization
+            b"GET "
+            + path.encode()
+            + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: "
+            + authorization
             + b"\r\nConnection: close\r\n\r\n"
         )
         raw = b""
@@ -120,7 +125,7 @@ def raw_get(stack: Stack, path: str, authorization: bytes) -> tuple[int, dict, b
             size, _, rest = rest.partition(b"\r\n")
             if int(size, 16) == 0:
                 break
-            decoded, rest = decoded + rest[: int(size, 16)], rest[int(size, 16) + 2:]
+            decoded, rest = decoded + rest[: int(size, 16)], rest[int(size, 16) + 2 :]
         body = decoded
     return int(lines[0].split()[1]), headers, body
 
@@ -244,8 +249,13 @@ def test_json_turn_sends_its_head_at_once_so_the_client_can_cancel(cors_web):
     session = client.create_session("echo")
     url = f"{stack.base_url}/v1/sessions/{session}/turns"
     body = {"messages": user("/slow 40 500")}  # 20 s of output, stream "none"
-    with httpx.stream("POST", url, json=body, headers=_headers(stack.tokens["demo"], "application/json"),
-                      timeout=httpx.Timeout(60, read=60)) as response:
+    with httpx.stream(
+        "POST",
+        url,
+        json=body,
+        headers=_headers(stack.tokens["demo"], "application/json"),
+        timeout=httpx.Timeout(60, read=60),
+    ) as response:
         # The head arrives before any byte of the body: the turn is still running.
         turn_id = response.headers["AAP-Turn-Id"]
         assert turn_id.startswith("turn_")
@@ -302,7 +312,9 @@ function reattach(api, sessionId, turnId, ticket) {
 @pytest.fixture(scope="module")
 def page_origin():
     # "localhost" and "127.0.0.1" are different origins: the API below is cross-origin.
-    with serve_pages({}, default=(PAGE.encode(), {"Content-Type": "text/html; charset=utf-8"}), host="localhost") as url:
+    with serve_pages(
+        {}, default=(PAGE.encode(), {"Content-Type": "text/html; charset=utf-8"}), host="localhost"
+    ) as url:
         yield url
 
 
@@ -383,7 +395,10 @@ def test_events_ticket_reads_only_its_own_turn(cors_web):
     assert own.status_code == 200
     assert [e.as_dict() for e in parse_sse(own.content)[0]] == [e.as_dict() for e in first.events]
     assert httpx.get(f"{base}/{second.turn_id}/events", params={"ticket": ticket}, timeout=30).status_code == 404
-    assert httpx.get(f"{cors_web.base_url}/v1/sessions/{session}", params={"ticket": ticket}, timeout=30).status_code == 401
+    assert (
+        httpx.get(f"{cors_web.base_url}/v1/sessions/{session}", params={"ticket": ticket}, timeout=30).status_code
+        == 401
+    )
     forged = httpx.get(f"{base}/{first.turn_id}/events", params={"ticket": ticket[:-2] + "xx"}, timeout=30)
     assert forged.status_code == 401 and forged.json()["error"]
     client.close()

@@ -191,7 +191,8 @@ def test_bad_tokens_from_one_address_get_429_before_any_lookup(guarded_web):
     assert statuses[-6:] == [429] * 6
     # Refused before the token is looked up: even a valid token from this address waits.
     blocked = httpx.get(
-        guarded_web.base_url + "/v1/sessions", headers={"Authorization": f"Bearer {guarded_web.tokens['demo']}"},
+        guarded_web.base_url + "/v1/sessions",
+        headers={"Authorization": f"Bearer {guarded_web.tokens['demo']}"},
         timeout=30,
     )
     assert blocked.status_code == 429
@@ -205,8 +206,9 @@ def test_concurrent_turns_at_the_limit_admit_exactly_the_limit(pg_stack, tmp_pat
     def start(session):
         http = httpx.Client(base_url=pg_stack.base_url, headers={"Authorization": f"Bearer {pg_stack.tokens[name]}"})
         try:
-            with http.stream("POST", f"/v1/sessions/{session}/turns",
-                             json={"messages": user("/slow 20 100"), "stream": "delta"}) as response:
+            with http.stream(
+                "POST", f"/v1/sessions/{session}/turns", json={"messages": user("/slow 20 100"), "stream": "delta"}
+            ) as response:
                 status, turn_id = response.status_code, response.headers.get("AAP-Turn-Id")
                 if status == 200:
                     response.read()

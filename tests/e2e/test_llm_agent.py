@@ -33,8 +33,15 @@ def llm_agent(name: str, url: str, *, config: dict | None = None, images: bool =
     return {
         "name": name,
         "title": f"Test model agent {name}",
-        "runtime": {"kind": "openai", "config": {"systemPrompt": "You are a test agent.", "timeoutSeconds": 30,
-                                                 "maxRetries": 2, **(config or {})}},
+        "runtime": {
+            "kind": "openai",
+            "config": {
+                "systemPrompt": "You are a test agent.",
+                "timeoutSeconds": 30,
+                "maxRetries": 2,
+                **(config or {}),
+            },
+        },
         "options": [
             {"type": "text", "name": "model", "default": "fake-model"},
             {"type": "secret", "name": "apiKey", "default": OPERATOR_KEY},
@@ -159,7 +166,10 @@ def test_trusted_tool_runs_inline_then_the_model_answers_in_every_mode(fake, dem
 
     assert result.status == 200 and result.stop_reason == "end_turn"
     expected = [
-        {"role": "assistant", "content": [{"type": "tool_use", "toolCallId": "id0", "name": "add", "input": {"a": 2, "b": 3}}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "toolCallId": "id0", "name": "add", "input": {"a": 2, "b": 3}}],
+        },
         {"role": "tool", "toolCallId": "id0", "content": "5"},
         {"role": "assistant", "content": [{"type": "text", "text": "The sum is 5."}]},
     ]
@@ -181,8 +191,13 @@ def test_trusted_tool_runs_inline_then_the_model_answers_in_every_mode(fake, dem
     assert fake.chat_requests()[0]["headers"]["authorization"] == f"Bearer {OPERATOR_KEY}"
     call_id = result.tool_calls()[0]["toolCallId"]
     assert second["messages"][2:] == [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call_id, "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": call_id, "content": "5"},
     ]
 
@@ -193,8 +208,12 @@ def test_reasoning_deltas_stream_as_thinking(fake, demo, field):
     fake.enqueue(FakeOpenAI.text("Four.", reasoning="Two and two make four.", reasoning_field=field))
     result = demo.turn(session, text="2+2?", stream="delta")
     assert [e.event for e in result.events[1:-1]] == ["thinking_delta"] * 5 + ["text_delta"]
-    assert result.messages == [{"role": "assistant", "content": [
-        {"type": "thinking", "thinking": "Two and two make four."}, {"type": "text", "text": "Four."}]}]
+    assert result.messages == [
+        {
+            "role": "assistant",
+            "content": [{"type": "thinking", "thinking": "Two and two make four."}, {"type": "text", "text": "Four."}],
+        }
+    ]
 
     fake.enqueue(FakeOpenAI.text("Yes."))
     demo.turn(session, text="Sure?")
@@ -202,8 +221,9 @@ def test_reasoning_deltas_stream_as_thinking(fake, demo, field):
     assert chat_bodies(fake)[-1]["messages"][2] == {"role": "assistant", "content": "Four."}
 
 
-@pytest.mark.parametrize(("finish", "stop_reason"), [("stop", "end_turn"), ("length", "max_tokens"),
-                                                     ("content_filter", "refusal")])
+@pytest.mark.parametrize(
+    ("finish", "stop_reason"), [("stop", "end_turn"), ("length", "max_tokens"), ("content_filter", "refusal")]
+)
 def test_finish_reasons_become_stop_reasons(fake, demo, finish, stop_reason):
     session = demo.create_session("llm-main")
     fake.enqueue(FakeOpenAI.text("Partial", finish=finish))
@@ -233,10 +253,13 @@ def test_client_tool_round_trip(fake, demo):
     assert [t["function"]["name"] for t in chat_bodies(fake)[0]["tools"]] == ["lookup"]
 
     fake.enqueue(FakeOpenAI.text("It means Agent Application Protocol."))
-    answer = demo.turn(session, [{"role": "tool", "toolCallId": call["toolCallId"], "content": "Agent Application Protocol"}])
+    answer = demo.turn(
+        session, [{"role": "tool", "toolCallId": call["toolCallId"], "content": "Agent Application Protocol"}]
+    )
     assert answer.stop_reason == "end_turn"
-    assert answer.messages == [{"role": "assistant", "content": [
-        {"type": "text", "text": "It means Agent Application Protocol."}]}]
+    assert answer.messages == [
+        {"role": "assistant", "content": [{"type": "text", "text": "It means Agent Application Protocol."}]}
+    ]
     sent = chat_bodies(fake)[-1]["messages"]
     assert sent[-2]["tool_calls"][0]["id"] == call["toolCallId"]
     assert sent[-1] == {"role": "tool", "tool_call_id": call["toolCallId"], "content": "Agent Application Protocol"}
@@ -251,12 +274,19 @@ def test_parallel_untrusted_calls_wait_for_permission_and_a_denial_reaches_the_m
     assert (one["input"], two["input"]) == ({"a": 1, "b": 2}, {"a": 30, "b": 40})  # fragments joined per index
 
     fake.enqueue(FakeOpenAI.text("One sum only."))
-    second = demo.turn(session, [
-        {"role": "tool_permission", "toolCallId": one["toolCallId"], "granted": True},
-        {"role": "tool_permission", "toolCallId": two["toolCallId"], "granted": False, "reason": "too large"},
-    ], stream="delta")
+    second = demo.turn(
+        session,
+        [
+            {"role": "tool_permission", "toolCallId": one["toolCallId"], "granted": True},
+            {"role": "tool_permission", "toolCallId": two["toolCallId"], "granted": False, "reason": "too large"},
+        ],
+        stream="delta",
+    )
     assert second.stop_reason == "end_turn"
-    assert [e.data["content"] for e in second.events if e.event == "tool_result"] == ["3", "Tool call denied: too large"]
+    assert [e.data["content"] for e in second.events if e.event == "tool_result"] == [
+        "3",
+        "Tool call denied: too large",
+    ]
     sent = chat_bodies(fake)[-1]["messages"]
     assert sent[-2:] == [
         {"role": "tool", "tool_call_id": one["toolCallId"], "content": "3"},
@@ -271,8 +301,9 @@ def test_invalid_tool_arguments_never_reach_the_application(fake, demo):
 
     assert result.stop_reason == "end_turn"
     assert "tool_call" not in result.names
-    assert result.messages == [{"role": "assistant", "content": [
-        {"type": "text", "text": "Sorry, I will answer directly."}]}]
+    assert result.messages == [
+        {"role": "assistant", "content": [{"type": "text", "text": "Sorry, I will answer directly."}]}
+    ]
     assert "unfinished" not in json.dumps(demo.history(session))
     retry = chat_bodies(fake)[1]["messages"]
     assert retry[-2]["tool_calls"][0]["function"]["name"] == "lookup"
@@ -281,11 +312,18 @@ def test_invalid_tool_arguments_never_reach_the_application(fake, demo):
 
 
 def test_seeded_history_is_what_the_model_sees(fake, demo):
-    session = new_session(demo, "llm-main", messages=[
-        {"role": "system", "content": "Answer in French."},
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": [{"type": "thinking", "thinking": "greet"}, {"type": "text", "text": "Salut"}]},
-    ])
+    session = new_session(
+        demo,
+        "llm-main",
+        messages=[
+            {"role": "system", "content": "Answer in French."},
+            {"role": "user", "content": "Hi"},
+            {
+                "role": "assistant",
+                "content": [{"type": "thinking", "thinking": "greet"}, {"type": "text", "text": "Salut"}],
+            },
+        ],
+    )
     demo.turn(session, text="How are you?")
     assert chat_bodies(fake)[0]["messages"] == [
         {"role": "system", "content": "You are a test agent.\n\nAnswer in French."},
@@ -297,17 +335,22 @@ def test_seeded_history_is_what_the_model_sees(fake, demo):
 
 def test_images_are_sent_as_image_parts_when_the_agent_accepts_them(fake, demo):
     data_uri = "data:image/png;base64,iVBORw0KGgo="
-    content = [{"type": "text", "text": "What is in these?"},
-               {"type": "image", "url": "https://example.com/cat.png"},
-               {"type": "image", "url": data_uri}]
+    content = [
+        {"type": "text", "text": "What is in these?"},
+        {"type": "image", "url": "https://example.com/cat.png"},
+        {"type": "image", "url": data_uri},
+    ]
     session = demo.create_session("llm-vision")
     result = demo.turn(session, [{"role": "user", "content": content}])
     assert result.stop_reason == "end_turn"
-    assert chat_bodies(fake)[0]["messages"][-1] == {"role": "user", "content": [
-        {"type": "text", "text": "What is in these?"},
-        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
-        {"type": "image_url", "image_url": {"url": data_uri}},
-    ]}
+    assert chat_bodies(fake)[0]["messages"][-1] == {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "What is in these?"},
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+            {"type": "image_url", "image_url": {"url": data_uri}},
+        ],
+    }
 
     plain = demo.create_session("llm-main")
     refused = demo.post(f"/v1/sessions/{plain}/turns", {"messages": [{"role": "user", "content": content}]})
@@ -328,8 +371,10 @@ def test_usage_is_summed_on_the_turn_the_session_and_the_tenant(fake, pg_stack, 
     client = AAP(pg_stack.base_url, token)
     try:
         session = new_session(client, "llm-main", tools=TRUSTED_ADD)
-        fake.enqueue(FakeOpenAI.tool_calls([{"name": "add", "arguments": '{"a": 1, "b": 1}'}], usage=(11, 3)),
-                     FakeOpenAI.text("2", usage=(17, 5)))
+        fake.enqueue(
+            FakeOpenAI.tool_calls([{"name": "add", "arguments": '{"a": 1, "b": 1}'}], usage=(11, 3)),
+            FakeOpenAI.text("2", usage=(17, 5)),
+        )
         streamed = client.turn(session, text="1+1", stream="delta")
         assert streamed.events[-1].data["_meta"]["usage"] == {"promptTokens": 28, "completionTokens": 8}
 
@@ -354,8 +399,9 @@ def test_cancel_closes_the_upstream_stream(fake, demo):
     words = [f"w{i} " for i in range(100)]
     fake.enqueue(FakeOpenAI.text("".join(words), chunks=words, delay=0.1))
     buffer, events = b"", []
-    with demo.http.stream("POST", f"/v1/sessions/{session}/turns",
-                          json={"messages": user("Talk slowly"), "stream": "delta"}) as response:
+    with demo.http.stream(
+        "POST", f"/v1/sessions/{session}/turns", json={"messages": user("Talk slowly"), "stream": "delta"}
+    ) as response:
         turn_id = response.headers["AAP-Turn-Id"]
         cancelled = False
         for chunk in response.iter_bytes():
@@ -377,8 +423,9 @@ def test_client_disconnect_does_not_stop_the_turn(fake, demo):
     words = [f"w{i} " for i in range(10)]
     fake.enqueue(FakeOpenAI.text("".join(words), chunks=words, delay=0.1))
     buffer = b""
-    with demo.http.stream("POST", f"/v1/sessions/{session}/turns",
-                          json={"messages": user("Talk"), "stream": "delta"}) as response:
+    with demo.http.stream(
+        "POST", f"/v1/sessions/{session}/turns", json={"messages": user("Talk"), "stream": "delta"}
+    ) as response:
         for chunk in response.iter_bytes():
             buffer += chunk
             if any(e.event == "text_delta" for e in complete_events(buffer)):
@@ -409,8 +456,13 @@ def test_a_bad_api_key_ends_the_turn_with_error_and_never_shows_the_key(fake, de
     fake.enqueue(FakeOpenAI.text("Fine now."))
     assert demo.turn(session, text="Once more").stop_reason == "end_turn"  # the session goes on
 
-    seen = [answered.raw, streamed.raw, demo.get(f"/v1/sessions/{session}").content,
-            json.dumps(demo.history(session, "full")).encode(), json.dumps(demo.history(session, "compacted")).encode()]
+    seen = [
+        answered.raw,
+        streamed.raw,
+        demo.get(f"/v1/sessions/{session}").content,
+        json.dumps(demo.history(session, "full")).encode(),
+        json.dumps(demo.history(session, "compacted")).encode(),
+    ]
     seen += [p.read_bytes() for p in log_dir.iterdir() if p.is_file()]
     seen += [m.encode() for m in Message.objects.filter(session__public_id=session).values_list("data", flat=True)]
     seen += [e.encode() for e in Turn.objects.filter(session__public_id=session).values_list("error", flat=True)]
@@ -419,14 +471,23 @@ def test_a_bad_api_key_ends_the_turn_with_error_and_never_shows_the_key(fake, de
             assert secret.encode() not in blob
 
 
-@pytest.mark.parametrize(("replies", "sentence"), [
-    ([FakeOpenAI.error(404, "The model `fake-model` does not exist or you do not have access to it.")],
-     "The model provider answered 404 (not found; check the model name and the base URL)."),
-    ([FakeOpenAI.error(500, "upstream exploded near /internal/shard-7")] * 3,
-     "The model provider answered 500 (server error)."),
-    ([FakeOpenAI.error(429, "Rate limit reached for org-secret123")] * 3,
-     "The model provider answered 429 (rate limited; retries did not help)."),
-])
+@pytest.mark.parametrize(
+    ("replies", "sentence"),
+    [
+        (
+            [FakeOpenAI.error(404, "The model `fake-model` does not exist or you do not have access to it.")],
+            "The model provider answered 404 (not found; check the model name and the base URL).",
+        ),
+        (
+            [FakeOpenAI.error(500, "upstream exploded near /internal/shard-7")] * 3,
+            "The model provider answered 500 (server error).",
+        ),
+        (
+            [FakeOpenAI.error(429, "Rate limit reached for org-secret123")] * 3,
+            "The model provider answered 429 (rate limited; retries did not help).",
+        ),
+    ],
+)
 def test_provider_failures_end_with_a_safe_error(fake, demo, replies, sentence):
     session = demo.create_session("llm-main")
     fake.enqueue(*replies)
@@ -458,7 +519,10 @@ def test_an_unreachable_provider_gives_a_connection_error(fake, demo):
     session = new_session(demo, "llm-main", options={"baseUrl": CLOSED_URL, "apiKey": "sk-own"})
     result = demo.turn(session, text="Hello")
     assert result.stop_reason == "error"
-    assert result.body["_meta"]["error"] == "Could not connect to the model provider (connection error); check the base URL."
+    assert (
+        result.body["_meta"]["error"]
+        == "Could not connect to the model provider (connection error); check the base URL."
+    )
 
 
 def test_the_operator_key_never_goes_to_a_base_url_the_application_chose(fake, demo, elsewhere):
@@ -485,7 +549,11 @@ def _pairs_unbroken(messages: list[dict]) -> bool:
         while messages[back]["role"] == "tool":
             back -= 1
         owner = messages[back]
-        ids = [b["toolCallId"] for b in owner["content"] if b.get("type") == "tool_use"] if owner["role"] == "assistant" else []
+        ids = (
+            [b["toolCallId"] for b in owner["content"] if b.get("type") == "tool_use"]
+            if owner["role"] == "assistant"
+            else []
+        )
         if message["toolCallId"] not in ids:
             return False
     return True
@@ -499,9 +567,11 @@ def test_a_long_session_is_compacted_with_full_history_intact(fake, demo):
     assert demo.history(session, "compacted") == demo.history(session, "full")  # under budget: untouched
 
     # The provider reports a prompt past the budget: compacted before the next call of the turn.
-    fake.enqueue(FakeOpenAI.tool_calls([{"name": "add", "arguments": '{"a": 2, "b": 3}'}], usage=(395, 20)),
-                 FakeOpenAI.text("SUMMARY-ONE: the user asked to remember alpha."),
-                 FakeOpenAI.text("It is 5."))
+    fake.enqueue(
+        FakeOpenAI.tool_calls([{"name": "add", "arguments": '{"a": 2, "b": 3}'}], usage=(395, 20)),
+        FakeOpenAI.text("SUMMARY-ONE: the user asked to remember alpha."),
+        FakeOpenAI.text("It is 5."),
+    )
     second = demo.turn(session, text="Now add 2 and 3.")
     assert second.stop_reason == "end_turn"
     bodies = chat_bodies(fake)
@@ -529,7 +599,16 @@ def test_a_long_session_is_compacted_with_full_history_intact(fake, demo):
     assert "SUMMARY-TWO" in compacted[0]["content"]
 
     full = demo.history(session, "full")
-    assert [m["role"] for m in full] == ["user", "assistant", "user", "assistant", "tool", "assistant", "user", "assistant"]
+    assert [m["role"] for m in full] == [
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+        "assistant",
+    ]
     assert full[0] == {"role": "user", "content": long_question}
     assert _pairs_unbroken(full)
     usage_calls = third.body["_meta"]["usage"]
@@ -560,7 +639,7 @@ def test_fake_server_runs_as_a_process_for_benchmarks():
         url = process.stdout.readline().strip()
         request = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url + "/chat/completions", json=request, timeout=30) as response:
-            data = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+            data = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
     finally:
         process.terminate()
         process.wait(10)
@@ -580,5 +659,9 @@ def test_the_example_assistant_file_applies(db_access, monkeypatch):
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
     agents_apply(load_agents_file(str(ROOT / "examples" / "agents" / "assistant.yaml")))  # rolled back after the test
     info = agent_info(Agent.objects.get(name="assistant"))
-    assert {o["name"]: o["default"] for o in info["options"]} == {"model": "example-model", "apiKey": "***", "baseUrl": ""}
+    assert {o["name"]: o["default"] for o in info["options"]} == {
+        "model": "example-model",
+        "apiKey": "***",
+        "baseUrl": "",
+    }
     assert [t["name"] for t in info["tools"]] == ["clock", "add", "http_fetch"]

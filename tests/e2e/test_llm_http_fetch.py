@@ -28,8 +28,11 @@ def fake(pg_stack, tmp_path_factory):
         ],
         "tools": [
             {"name": "fetch", **fetch},
-            {"name": "fetch_local", **fetch,
-             "settings": {"allowPrivateAddresses": True, "maxBytes": 1000, "timeoutSeconds": 2}},
+            {
+                "name": "fetch_local",
+                **fetch,
+                "settings": {"allowPrivateAddresses": True, "maxBytes": 1000, "timeoutSeconds": 2},
+            },
         ],
         "capabilities": {"stream": {"delta": {}, "none": {}}},
     }
@@ -42,8 +45,10 @@ def fake(pg_stack, tmp_path_factory):
 
 @pytest.fixture
 def page_url():
-    with serve_pages({"/big": (b"x" * 5000, {"Content-Type": "text/plain"})},
-                     default=(PAGE, {"Content-Type": "text/html; charset=utf-8"})) as url:
+    with serve_pages(
+        {"/big": (b"x" * 5000, {"Content-Type": "text/plain"})},
+        default=(PAGE, {"Content-Type": "text/html; charset=utf-8"}),
+    ) as url:
         yield url
 
 
@@ -52,8 +57,10 @@ def fetch_turn(fake, demo, tool: str, urls: list[str]) -> list[str]:
     fake.clear()
     response = demo.post("/v1/sessions", {"agent": {"name": "llm-fetch", "tools": [{"name": tool, "trust": True}]}})
     assert response.status_code == 201, response.text
-    fake.enqueue(FakeOpenAI.tool_calls([{"name": tool, "arguments": json.dumps({"url": u})} for u in urls]),
-                 FakeOpenAI.text("Fetched."))
+    fake.enqueue(
+        FakeOpenAI.tool_calls([{"name": tool, "arguments": json.dumps({"url": u})} for u in urls]),
+        FakeOpenAI.text("Fetched."),
+    )
     result = demo.turn(response.json()["sessionId"], text="Fetch them", stream="delta")
     assert result.stop_reason == "end_turn"
     results = [e.data["content"] for e in result.events if e.event == "tool_result"]

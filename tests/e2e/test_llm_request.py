@@ -15,9 +15,15 @@ from .turns import text_reply
 @pytest.fixture(scope="module")
 def model(pg_stack, tmp_path_factory):
     server = FakeOpenAI().start()
-    agent = llm_agent("llm-request", server.url, config={
-        "temperature": 0.5, "maxOutputTokens": 64, "extraBody": {"top_k": 7, "chat_template_kwargs": {"x": [1, 2]}},
-    })
+    agent = llm_agent(
+        "llm-request",
+        server.url,
+        config={
+            "temperature": 0.5,
+            "maxOutputTokens": 64,
+            "extraBody": {"top_k": 7, "chat_template_kwargs": {"x": [1, 2]}},
+        },
+    )
     path = tmp_path_factory.mktemp("llm-request") / "agents.yaml"
     path.write_text(yaml.safe_dump({"agents": [agent]}))
     pg_stack.manage("apply_agents", str(path))
@@ -37,10 +43,15 @@ def test_request_is_plain_json_with_extra_body_fields_at_the_top(model, demo):
     assert last["temperature"] == 0.5 and last["max_completion_tokens"] == 64
     assert last["top_k"] == 7 and last["chat_template_kwargs"] == {"x": [1, 2]}
     assert "extra_body" not in last
-    said = [(m["role"], m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]) for m in last["messages"]]
+    said = [
+        (m["role"], m["content"] if isinstance(m["content"], str) else m["content"][0]["text"])
+        for m in last["messages"]
+    ]
     assert said == [
         ("system", "You are a test agent."),
-        ("user", "question 0"), ("assistant", "answer 0"),
-        ("user", "question 1"), ("assistant", "answer 1"),
+        ("user", "question 0"),
+        ("assistant", "answer 0"),
+        ("user", "question 1"),
+        ("assistant", "answer 1"),
         ("user", "question 2"),
     ]

@@ -24,16 +24,25 @@ class MakeRun:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / "make-run.log"
         # The embedded mode of a fresh clone: no DATABASE_URL, REDIS_URL or keys in the environment.
-        self.env = {k: v for k, v in os.environ.items()
-                    if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "HOSTING_ENCRYPTION_KEYS")}
+        self.env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "HOSTING_ENCRYPTION_KEYS")
+        }
         self.env.update(HOSTING_VAR_DIR=str(var), PORT=str(self.port), HOST="127.0.0.1")
 
     def start(self) -> str:
         """Start run.sh, wait until it serves; returns the token it printed."""
         offset = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([str(ROOT / "scripts" / "run.sh")], env=self.env, cwd=ROOT, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [str(ROOT / "scripts" / "run.sh")],
+                env=self.env,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 120
         while True:
             text = self.log.read_bytes()[offset:].decode()
@@ -62,8 +71,14 @@ class MakeRun:
                 raise
 
     def shell(self, code: str) -> str:
-        result = subprocess.run([PYTHON, str(ROOT / "manage.py"), "shell", "-v", "0", "-c", code], env=self.env,
-                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [PYTHON, str(ROOT / "manage.py"), "shell", "-v", "0", "-c", code],
+            env=self.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0, result.stderr
         return result.stdout.strip()
 
@@ -73,7 +88,9 @@ class MakeRun:
         return {agent["name"]: agent for agent in response.json()["agents"]}
 
     def sessions_status(self, token: str) -> int:
-        return httpx.get(self.base_url + "/v1/sessions", headers={"Authorization": f"Bearer {token}"}, timeout=10).status_code
+        return httpx.get(
+            self.base_url + "/v1/sessions", headers={"Authorization": f"Bearer {token}"}, timeout=10
+        ).status_code
 
 
 @pytest.fixture
@@ -103,9 +120,12 @@ def test_restarting_make_run_keeps_an_admin_edit_and_the_demo_token(make_run):
     assert echo["title"] == "Echo, edited in admin"
     style = next(option for option in echo["options"] if option["name"] == "style")
     assert style["default"] == "upper"
-    assert make_run.shell(
-        "from hosting.models import ApiToken; print(ApiToken.objects.active().filter(tenant__name='demo').count())"
-    ) == "1", "restarts mint no further demo tokens"
+    assert (
+        make_run.shell(
+            "from hosting.models import ApiToken; print(ApiToken.objects.active().filter(tenant__name='demo').count())"
+        )
+        == "1"
+    ), "restarts mint no further demo tokens"
     make_run.stop()
 
     # Without the kept token a new one is minted and the previous one stops working.

@@ -38,7 +38,9 @@ def metered(pg_stack, log_dir, tmp_path_factory, fake_llm):
     stale.write_bytes(b"")
     pg_stack.apply_agents([llm_agent("metered-llm", fake_llm.url, api_key="sk-metered-operator-key")])
     stack = observed_stack(
-        pg_stack, log_dir, "metered",
+        pg_stack,
+        log_dir,
+        "metered",
         {"AAP_METRICS": "token", "AAP_METRICS_TOKEN": METRICS_TOKEN, "PROMETHEUS_MULTIPROC_DIR": str(directory)},
         redis_db=5,
     )
@@ -98,11 +100,17 @@ def test_turns_show_up_in_web_and_worker_families(metered, fake_llm):
         delta = client.turn(session, text="hello metrics", stream="delta")
         thinking = client.turn(session, text="/think slowly", stream="delta")
         tool = client.turn(session, text="/tool lookup {}", stream="delta")
-        answered = client.turn(session, [{"role": "tool", "toolCallId": tool.tool_calls()[0]["toolCallId"],
-                                          "content": "found"}])
+        answered = client.turn(
+            session, [{"role": "tool", "toolCallId": tool.tool_calls()[0]["toolCallId"], "content": "found"}]
+        )
         failed = client.turn(session, text="/error")
-        assert [delta.stop_reason, thinking.stop_reason, tool.stop_reason, answered.stop_reason, failed.stop_reason] \
-            == ["end_turn", "end_turn", "tool_use", "end_turn", "error"]
+        assert [
+            delta.stop_reason,
+            thinking.stop_reason,
+            tool.stop_reason,
+            answered.stop_reason,
+            failed.stop_reason,
+        ] == ["end_turn", "end_turn", "tool_use", "end_turn", "error"]
         missing = client.turn("sess_doesnotexist", text="hi")
         assert missing.status == 404
 
@@ -167,7 +175,9 @@ def test_open_streams_count_a_running_turn_and_drop_after_it(metered):
     client = metered.client()
     session = client.create_session("echo")
     results = {}
-    worker = threading.Thread(target=lambda: results.update(r=client.turn(session, text="/slow 30 100", stream="delta")))
+    worker = threading.Thread(
+        target=lambda: results.update(r=client.turn(session, text="/slow 30 100", stream="delta"))
+    )
     worker.start()
     try:
         deadline = time.monotonic() + 20
@@ -191,7 +201,8 @@ def test_a_lost_turn_recovery_is_counted(metered):
     before = value(samples(metered), "aap_lost_turns_recovered_total", state="running")
     results = {}
     streaming = threading.Thread(
-        target=lambda: results.update(r=client.turn(session, text="/slow 200 100", stream="delta")))
+        target=lambda: results.update(r=client.turn(session, text="/slow 200 100", stream="delta"))
+    )
     streaming.start()
     try:
         time.sleep(1.5)

@@ -24,13 +24,17 @@ def session_info(client, session: str) -> dict:
 def test_option_overrides_in_a_turn_persist(client):
     session = new_session(client, options={"signature": "first"})
     result = checked_turn(
-        client, session, user("hi"), stream="delta",
+        client,
+        session,
+        user("hi"),
+        stream="delta",
         agent={"options": {"style": "upper", "signature": "Sig", "apiKey": SECRET}},
     )
     assert result.messages == text_reply("echo: HI -- Sig")
     assert SECRET.encode() not in result.raw
     assert session_info(client, session)["agent"] == {
-        "name": "echo", "options": {"style": "upper", "signature": "Sig", "apiKey": "***"},
+        "name": "echo",
+        "options": {"style": "upper", "signature": "Sig", "apiKey": "***"},
     }
     # later turns keep them without repeating them; a turn's options merge by key
     assert checked_turn(client, session, user("again")).messages == text_reply("echo: AGAIN -- Sig")

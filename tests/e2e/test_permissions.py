@@ -64,7 +64,8 @@ def test_application_resumes_calls_left_open_in_a_seeded_history(client):
         tool_use_message(("call_seed_client", "mytool", {"x": 5}), ("call_seed_server", "add", {"a": 4, "b": 4})),
     ]
     response = client.post(
-        "/v1/sessions", {"agent": {"name": "echo", "tools": [{"name": "add"}]}, "messages": seed, "tools": [CLIENT_TOOL]}
+        "/v1/sessions",
+        {"agent": {"name": "echo", "tools": [{"name": "add"}]}, "messages": seed, "tools": [CLIENT_TOOL]},
     )
     assert response.status_code == 201, response.text
     session = response.json()["sessionId"]
@@ -123,7 +124,10 @@ def test_invalid_answer_set_is_refused_naming_the_ids(client, pending, case):
     assert client.history(session) == before, "a refused turn must not change history"
     # the session still takes the correct answer
     reply = checked_turn(
-        client, session, [tool_answer(client_id, "r"), permission(server_id, True)], stored=[tool_answer(client_id, "r")]
+        client,
+        session,
+        [tool_answer(client_id, "r"), permission(server_id, True)],
+        stored=[tool_answer(client_id, "r")],
     )
     assert reply.messages == [
         {"role": "tool", "toolCallId": server_id, "content": "2"},

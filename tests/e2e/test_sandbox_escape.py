@@ -42,7 +42,8 @@ def model():
 def shell_stack(pg_stack, tmp_path_factory, model) -> Stack:
     endpoint = urlsplit(model.url)
     config = {
-        "command": FAKE, "readPaths": FAKE_INSTALL,
+        "command": FAKE,
+        "readPaths": FAKE_INSTALL,
         "egress": [f"{endpoint.hostname}:{endpoint.port}"],
         "limits": LIMITS,
         "options": {"apiKey": {"env": "FAKE_API_KEY"}},
@@ -51,7 +52,8 @@ def shell_stack(pg_stack, tmp_path_factory, model) -> Stack:
     if SANDBOX_OFF:
         config["unsafeWithoutSandbox"] = True
     agent = {
-        "name": "acp-shell", "title": "A shell inside the sandbox",
+        "name": "acp-shell",
+        "title": "A shell inside the sandbox",
         "runtime": {"kind": "acp", "config": config},
         "options": [{"type": "secret", "name": "apiKey", "default": "sk-operator-default-0001"}],
         "capabilities": {"history": {"compacted": {}, "full": {}}, "stream": {"delta": {}, "message": {}, "none": {}}},
@@ -136,10 +138,14 @@ def test_another_tenants_agent_environment_is_out_of_reach(shell_stack, demo, ot
     pid = agent_pid(other, theirs)
     assert SECRET.encode() in Path(f"/proc/{pid}/environ").read_bytes()  # it is there to steal
     mine = shell_session(demo)
-    code, output = shell(demo, mine, f"cat /proc/{pid}/environ; grep -a -h -o 'sk-other-tenant-[0-9a-f]*' /proc/*/environ")
+    code, output = shell(
+        demo, mine, f"cat /proc/{pid}/environ; grep -a -h -o 'sk-other-tenant-[0-9a-f]*' /proc/*/environ"
+    )
     assert SECRET not in output
-    peek = (f"m = open('/proc/{pid}/mem', 'rb'); m.seek(int(open('/proc/{pid}/maps').readline().split('-')[0], 16)); "
-            "print(len(m.read(16)))")
+    peek = (
+        f"m = open('/proc/{pid}/mem', 'rb'); m.seek(int(open('/proc/{pid}/maps').readline().split('-')[0], 16)); "
+        "print(len(m.read(16)))"
+    )
     code, output = shell(demo, mine, f'python -c "{peek}"')
     assert code != 0 and "16" not in output
 
@@ -176,7 +182,8 @@ def test_nothing_is_written_outside_the_workspace_directly_or_through_links(shel
     tmp_path.chmod(0o755)
     direct = Path("/tmp") / f"escape-{uuid.uuid4().hex}"
     code, output = shell(
-        demo, session,
+        demo,
+        session,
         f"echo direct > {direct}; echo plain >> {outside}; "
         f"ln -s {outside} via-symlink; echo symlink >> via-symlink; "
         f"ln {outside} via-hardlink; echo hardlink >> via-hardlink; "
@@ -218,8 +225,10 @@ def test_the_worker_can_be_neither_signalled_nor_traced(shell_stack, demo):
     worker = worker_pid_cmd()
     code, output = shell(demo, session, f"kill -0 {worker} && echo signalled")
     assert "signalled" not in output
-    trace = ("import ctypes, sys; libc = ctypes.CDLL(None, use_errno=True); "
-             "print('traced' if libc.ptrace(0x4206, int(sys.argv[1]), 0, 0) == 0 else 'refused')")
+    trace = (
+        "import ctypes, sys; libc = ctypes.CDLL(None, use_errno=True); "
+        "print('traced' if libc.ptrace(0x4206, int(sys.argv[1]), 0, 0) == 0 else 'refused')"
+    )
     code, output = shell(demo, session, f'python -c "{trace}" {worker}')
     assert "traced" not in output
     alive_after(demo, session)
@@ -247,9 +256,11 @@ def test_a_fork_bomb_ends_the_turn_with_an_error_and_the_worker_survives(shell_s
 
 def test_filling_the_disk_past_the_limit_ends_the_turn_with_an_error_and_the_worker_survives(shell_stack, demo):
     session = shell_session(demo)
-    result = checked_turn(demo, session, user(
-        "/sh for i in 1 2 3 4 5 6 7 8 9 10 11 12; do head -c 1048576 /dev/urandom > fill-$i; done; sleep 5"
-    ))
+    result = checked_turn(
+        demo,
+        session,
+        user("/sh for i in 1 2 3 4 5 6 7 8 9 10 11 12; do head -c 1048576 /dev/urandom > fill-$i; done; sleep 5"),
+    )
     assert result.stop_reason == "error", result.body
     assert "disk limit of 8 MiB" in result.body["_meta"]["error"]
     alive_after(demo, session)
@@ -258,9 +269,7 @@ def test_filling_the_disk_past_the_limit_ends_the_turn_with_an_error_and_the_wor
 def test_using_more_memory_than_the_limit_ends_the_turn_with_an_error(shell_stack, demo):
     session = shell_session(demo)
     hog = "import time; block = bytearray(120 * 1024 * 1024); block[::4096] = b'x' * len(block[::4096]); time.sleep(20)"
-    result = checked_turn(demo, session, user(
-        f'/sh for i in 1 2 3 4; do python -c "{hog}" & done; wait'
-    ))
+    result = checked_turn(demo, session, user(f'/sh for i in 1 2 3 4; do python -c "{hog}" & done; wait'))
     assert result.stop_reason == "error", result.body
     assert "memory limit of 300 MiB" in result.body["_meta"]["error"]
     alive_after(demo, session)

@@ -22,24 +22,38 @@ def test_schemathesis_finds_no_failure_of_any_check(pg_stack, tmp_path):
     token = pg_stack.manage("create_tenant", "schemathesis").strip().splitlines()[-1]
     result = subprocess.run(
         [
-            str(BIN / "st"), "--no-color", "--config-file", str(ROOT / "tests" / "schemathesis.toml"),
-            "run", f"{pg_stack.base_url}/v1/openapi.json",
-            "--header", f"Authorization: Bearer {token}",
-            "--checks", "all",
-            "--phases", "examples,coverage,fuzzing,stateful",
-            "--max-examples", EXAMPLES,
-            "--seed", SEED,
+            str(BIN / "st"),
+            "--no-color",
+            "--config-file",
+            str(ROOT / "tests" / "schemathesis.toml"),
+            "run",
+            f"{pg_stack.base_url}/v1/openapi.json",
+            "--header",
+            f"Authorization: Bearer {token}",
+            "--checks",
+            "all",
+            "--phases",
+            "examples,coverage,fuzzing,stateful",
+            "--max-examples",
+            EXAMPLES,
+            "--seed",
+            SEED,
             # One worker: CPython 3.11's parser is not safe for Hypothesis' concurrent lambda descriptions.
-            "--workers", "1",
-            "--request-timeout", "30",
+            "--workers",
+            "1",
+            "--request-timeout",
+            "30",
         ],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-20000:]
-    summary = output[output.rfind("SUMMARY"):]
+    summary = output[output.rfind("SUMMARY") :]
     for phase in ("Examples", "Coverage", "Fuzzing", "Stateful"):
         assert f"✅ {phase}" in summary, summary
     assert "failures" not in summary.lower() or " 0 failures" in summary.lower(), summary
     assert "passed" in summary
-    print(output[output.find("Examples ("):])  # the phases, links covered and totals (pytest -rP shows it)
+    print(output[output.find("Examples (") :])  # the phases, links covered and totals (pytest -rP shows it)

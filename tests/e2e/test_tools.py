@@ -101,10 +101,14 @@ def test_unknown_tool_is_answered_and_the_agent_continues(client, name):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_parallel_calls_of_every_kind_are_answered_in_one_turn(client, mode):
-    session = new_session(
-        client, tools=[CLIENT_TOOL], server_tools=[{"name": "add", "trust": True}, {"name": "clock"}]
-    )
-    calls = [("mytool", {"x": 1}), ("add", {"a": 1, "b": 2}), ("clock", {}), ("mytool", {"x": 2}), ("add", {"a": 5, "b": 5})]
+    session = new_session(client, tools=[CLIENT_TOOL], server_tools=[{"name": "add", "trust": True}, {"name": "clock"}])
+    calls = [
+        ("mytool", {"x": 1}),
+        ("add", {"a": 1, "b": 2}),
+        ("clock", {}),
+        ("mytool", {"x": 2}),
+        ("add", {"a": 5, "b": 5}),
+    ]
     ask = checked_turn(client, session, tools_command(*calls), stream=mode)
     assert ask.stop_reason == "tool_use"
     uses = ask.tool_calls()
@@ -139,8 +143,12 @@ def test_tool_turns_fold_alike_in_every_mode(client):
     """fold(delta) == fold(message) == none for a turn that calls, runs and asks for tools."""
     folded = {}
     for mode in MODES:
-        session = new_session(client, tools=[CLIENT_TOOL], server_tools=[{"name": "add", "trust": True}, {"name": "clock"}])
-        ask = checked_turn(client, session, tools_command(("add", {"a": 2, "b": 2}), ("mytool", {}), ("nosuch", {})), stream=mode)
+        session = new_session(
+            client, tools=[CLIENT_TOOL], server_tools=[{"name": "add", "trust": True}, {"name": "clock"}]
+        )
+        ask = checked_turn(
+            client, session, tools_command(("add", {"a": 2, "b": 2}), ("mytool", {}), ("nosuch", {})), stream=mode
+        )
         ids = [u["toolCallId"] for u in ask.tool_calls()]
         reply = checked_turn(client, session, [tool_answer(ids[1], "ok")], stream=mode)
         folded[mode] = numbered_calls(ask.messages + reply.messages)

@@ -37,9 +37,14 @@ def fake_llm():
 def traced(pg_stack, log_dir, collector, fake_llm):
     pg_stack.apply_agents([llm_agent("traced-llm", fake_llm.url, api_key=SECRET)])
     stack = observed_stack(
-        pg_stack, log_dir, "traced",
-        {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint, "OTEL_SERVICE_NAME": "aap-hosting-test",
-         "OTEL_BSP_SCHEDULE_DELAY": "200"},
+        pg_stack,
+        log_dir,
+        "traced",
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
+            "OTEL_SERVICE_NAME": "aap-hosting-test",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        },
         redis_db=6,
     )
     yield stack
@@ -88,7 +93,12 @@ def test_one_turn_is_one_trace_across_web_and_worker(traced, collector, fake_llm
     assert model.parent_id == turn.span_id
     # Two processes: the web request and the publish in Daphne, the rest in the worker.
     assert request.resource["process.pid"] == publish.resource["process.pid"] == traced.web.pid
-    assert run.resource["process.pid"] == turn.resource["process.pid"] == model.resource["process.pid"] == traced.worker.pid
+    assert (
+        run.resource["process.pid"]
+        == turn.resource["process.pid"]
+        == model.resource["process.pid"]
+        == traced.worker.pid
+    )
     assert request.resource["service.name"] == "aap-hosting-test"
     # The turn id and what is safe to know; never the message, the answer or the secret.
     assert turn.attributes["aap.turn_id"] == turn_id
@@ -119,7 +129,13 @@ def test_without_an_otlp_endpoint_no_tracing_sdk_is_loaded(pg_stack, collector):
     plain = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.strip().splitlines()[-1] == "[]"
-    traced = subprocess.run([sys.executable, "-c", PROBE], env={**env, "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint},
-                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    traced = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env={**env, "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert traced.returncode == 0, traced.stderr
     assert "opentelemetry.sdk.trace" in traced.stdout.strip().splitlines()[-1]

@@ -99,7 +99,9 @@ def test_a_streamed_turn_with_options_keeps_the_token_out_of_urls(chromium, try_
             send(page, "hello browser")
             wait_stops(page, 3)
             page.screenshot(path=str(artefacts / "streamed-turn.png"), full_page=True)
-            stored = {key: page.evaluate(f"sessionStorage.getItem('aap.{key}')") for key in ("token", "session", "turn")}
+            stored = {
+                key: page.evaluate(f"sessionStorage.getItem('aap.{key}')") for key in ("token", "session", "turn")
+            }
             return session, streamed, whoami, last_text(page), stored, requests, page.url
         finally:
             context.close()
@@ -228,7 +230,9 @@ def test_a_reload_reattaches_to_the_running_turn_and_reads_history(chromium, try
             assert wait_stops(page, 1) == "stop: end_turn"
             users = page.locator("[data-testid=msg-user]").all_text_contents()
             page.click("[data-testid=load-history]")
-            page.wait_for_function("() => document.querySelector('[data-testid=history]').textContent.includes('tick 12')")
+            page.wait_for_function(
+                "() => document.querySelector('[data-testid=history]').textContent.includes('tick 12')"
+            )
             page.screenshot(path=str(artefacts / "reattached.png"), full_page=True)
             return session, users, last_text(page), json.loads(page.text_content("[data-testid=history]"))
         finally:

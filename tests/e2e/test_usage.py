@@ -40,8 +40,13 @@ def usage(client, **params):
 
 def test_usage_matches_the_turns_a_tenant_ran(tenant_client, usage_llm, other):
     client = tenant_client
-    assert usage(client)["total"] == {"turns": 0, "promptTokens": 0, "completionTokens": 0, "modelCalls": 0,
-                                      "turnSeconds": 0.0}
+    assert usage(client)["total"] == {
+        "turns": 0,
+        "promptTokens": 0,
+        "completionTokens": 0,
+        "modelCalls": 0,
+        "turnSeconds": 0.0,
+    }
     echo_a = client.create_session("echo")
     echo_b = client.create_session("echo")
     for text in ("one", "/slow 3 100", "three"):
@@ -63,7 +68,12 @@ def test_usage_matches_the_turns_a_tenant_ran(tenant_client, usage_llm, other):
     assert (rows["echo"]["promptTokens"], rows["echo"]["completionTokens"], rows["echo"]["modelCalls"]) == (0, 0, 0)
     assert rows["echo"]["turnSeconds"] >= 0.2  # the /slow turn alone ran two 100 ms pauses
     assert rows["usage-llm"] | {"turnSeconds": 0} == {
-        "agent": "usage-llm", "turns": 2, "promptTokens": 150, "completionTokens": 27, "modelCalls": 2, "turnSeconds": 0,
+        "agent": "usage-llm",
+        "turns": 2,
+        "promptTokens": 150,
+        "completionTokens": 27,
+        "modelCalls": 2,
+        "turnSeconds": 0,
     }
     total = by_agent["total"]
     assert (total["turns"], total["promptTokens"], total["completionTokens"]) == (6, 150, 27)
@@ -111,7 +121,9 @@ def test_operators_see_each_tenants_usage_in_the_admin(pg_stack, tenant_client, 
     session = tenant_client.create_session("echo")
     for text in ("a", "b"):
         assert tenant_client.turn(session, text=text).stop_reason == "end_turn"
-    tenant = next(name for name, token in pg_stack.tokens.items() if tenant_client.http.headers["Authorization"].endswith(token))
+    tenant = next(
+        name for name, token in pg_stack.tokens.items() if tenant_client.http.headers["Authorization"].endswith(token)
+    )
     today = datetime.now(UTC).date()
 
     page = admin_client.get("/admin/usage/", {"from": today.isoformat(), "to": (today + timedelta(days=1)).isoformat()})
@@ -120,7 +132,9 @@ def test_operators_see_each_tenants_usage_in_the_admin(pg_stack, tenant_client, 
     assert (row["turns"], row["promptTokens"], row["completionTokens"]) == (2, 0, 0)
     assert f"<td>{tenant}</td><td>2</td>" in page.content.decode()
     # Before today: this tenant is not in the table.
-    earlier = admin_client.get("/admin/usage/", {"from": (today - timedelta(days=3)).isoformat(), "to": today.isoformat()})
+    earlier = admin_client.get(
+        "/admin/usage/", {"from": (today - timedelta(days=3)).isoformat(), "to": today.isoformat()}
+    )
     assert tenant not in [r["tenant"] for r in earlier.context["rows"]]
 
     bad = admin_client.get("/admin/usage/", {"from": "soon"})

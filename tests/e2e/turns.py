@@ -20,8 +20,14 @@ CLIENT_TOOL = {
 }
 
 
-def new_session(client: AAP, agent: str = "echo", *, options: dict | None = None,
-                server_tools: list[dict] | None = None, tools: list[dict] | None = None) -> str:
+def new_session(
+    client: AAP,
+    agent: str = "echo",
+    *,
+    options: dict | None = None,
+    server_tools: list[dict] | None = None,
+    tools: list[dict] | None = None,
+) -> str:
     """Create a session with agent options, enabled server tools and client tools."""
     config: dict = {}
     if options is not None:
@@ -36,8 +42,9 @@ def text_reply(text: str) -> list[dict]:
     return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
 
 
-def checked_turn(client: AAP, session: str, messages: list[dict], *, stream: str = "none",
-                 stored: list[dict] | None = None, **body) -> TurnResult:
+def checked_turn(
+    client: AAP, session: str, messages: list[dict], *, stream: str = "none", stored: list[dict] | None = None, **body
+) -> TurnResult:
     """Run one turn and check the wire contract every turn keeps.
 
     SSE: an increasing `id:` on every event, `turn_start` first (its `_meta.turnId` is the
@@ -57,7 +64,7 @@ def checked_turn(client: AAP, session: str, messages: list[dict], *, stream: str
     after = client.history(session)
     assert after[: len(before)] == before, "a turn must never rewrite earlier full history"
     incoming = messages if stored is None else stored
-    assert after[len(before):] == incoming + result.messages
+    assert after[len(before) :] == incoming + result.messages
     return result
 
 
@@ -124,8 +131,16 @@ def wait_until(predicate, timeout: float = 60.0, interval: float = 0.2, message:
 class LiveTurn:
     """A streaming request (a turn, or a re-attach) read on its own thread and connection."""
 
-    def __init__(self, stack: Stack, method: str, path: str, *, tenant: str = "demo",
-                 json: dict | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        stack: Stack,
+        method: str,
+        path: str,
+        *,
+        tenant: str = "demo",
+        json: dict | None = None,
+        headers: dict | None = None,
+    ):
         self.http = httpx.Client(
             base_url=stack.base_url, headers={"Authorization": f"Bearer {stack.tokens[tenant]}"}, timeout=60.0
         )
@@ -226,9 +241,13 @@ def permission(call_id: str, granted: bool, reason: str | None = None) -> dict:
 
 
 def tool_use_message(*calls: tuple[str, str, dict]) -> dict:
-    return {"role": "assistant", "content": [
-        {"type": "tool_use", "toolCallId": call_id, "name": name, "input": arguments} for call_id, name, arguments in calls
-    ]}
+    return {
+        "role": "assistant",
+        "content": [
+            {"type": "tool_use", "toolCallId": call_id, "name": name, "input": arguments}
+            for call_id, name, arguments in calls
+        ],
+    }
 
 
 def assert_iso_utc_now(value: str) -> None:

@@ -97,7 +97,11 @@ class FakeAgent:
     def _config_options(self, session: _Session):
         return [
             schema.SessionConfigOptionSelect(
-                id="model", name="Model", type="select", category="model", current_value=session.model,
+                id="model",
+                name="Model",
+                type="select",
+                category="model",
+                current_value=session.model,
                 options=[schema.SessionConfigSelectOption(value=v, name=v) for v in ("fast", "smart")],
             )
         ]
@@ -317,8 +321,13 @@ class FakeAgent:
     async def _cmd_sh(self, session, rest):
         # Runs whatever the test scripts, as the agent's own tools would: the sandbox must hold.
         process = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", rest, cwd=session.cwd, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            "/bin/sh",
+            "-c",
+            rest,
+            cwd=session.cwd,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
         )
         try:
             output, _ = await asyncio.wait_for(process.communicate(), 60)
@@ -333,10 +342,18 @@ class FakeAgent:
         path = self._path(session, rest.strip() or "refused.txt")
         call_id = f"tool_{uuid.uuid4().hex[:6]}"
         diff = schema.FileEditToolCallContent(type="diff", path=path, old_text=None, new_text="new text")
-        await self.conn.session_update(session.id, acp.start_tool_call(
-            call_id, "write_file", kind="edit", status="pending", raw_input={"path": path}, content=[diff]))
-        await self.conn.session_update(session.id, acp.update_tool_call(
-            call_id, status="failed", content=[acp.tool_content(acp.text_block("Permission denied by the user."))]))
+        await self.conn.session_update(
+            session.id,
+            acp.start_tool_call(
+                call_id, "write_file", kind="edit", status="pending", raw_input={"path": path}, content=[diff]
+            ),
+        )
+        await self.conn.session_update(
+            session.id,
+            acp.update_tool_call(
+                call_id, status="failed", content=[acp.tool_content(acp.text_block("Permission denied by the user."))]
+            ),
+        )
         await self._say(session, "not written")
 
     async def _cmd_pid(self, session, rest):

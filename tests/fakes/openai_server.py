@@ -81,13 +81,18 @@ def reply_for_model(model: str, messages: list) -> Reply | None:
     shape = MODEL_SHAPE_RE.fullmatch(model or "")
     if shape:
         chunks = ["t "] * max(1, int(shape.group(1)))
-        return Reply("text", text="".join(chunks), chunks=tuple(chunks), delay=float(shape.group(2)) / 1000,
-                     usage=(20, len(chunks)), stamp=True)
+        return Reply(
+            "text",
+            text="".join(chunks),
+            chunks=tuple(chunks),
+            delay=float(shape.group(2)) / 1000,
+            usage=(20, len(chunks)),
+            stamp=True,
+        )
     if model == "tool-add":
         last = messages[-1] if messages else {}
         if isinstance(last, dict) and last.get("role") == "user" and "add" in json.dumps(last.get("content")):
-            return FakeOpenAI.tool_calls([{"name": "add", "arguments": '{"a": 2, "b": 3}'}], fragments=1,
-                                         usage=(20, 8))
+            return FakeOpenAI.tool_calls([{"name": "add", "arguments": '{"a": 2, "b": 3}'}], fragments=1, usage=(20, 8))
         return FakeOpenAI.text("5" if last.get("role") == "tool" else "ok", usage=(30, 1))
     return None
 
@@ -109,8 +114,15 @@ def _split(text: str, parts: int) -> list[str]:
 class FakeOpenAI:
     """A fake OpenAI-compatible server served from a background thread."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, default_reply: Reply | None = None,
-                 record: bool = True, by_model: bool = False):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        default_reply: Reply | None = None,
+        record: bool = True,
+        by_model: bool = False,
+    ):
         self.host = host
         self.port = port
         self.default_reply = default_reply or FakeOpenAI.text("ok")
@@ -194,18 +206,37 @@ class FakeOpenAI:
     # --- reply constructors ----------------------------------------------------------------
 
     @staticmethod
-    def text(text: str, *, chunks: list[str] | None = None, delay: float = 0.0, reasoning: str | None = None,
-             reasoning_field: str = "reasoning_content", finish: str = "stop",
-             usage: tuple[int, int] | None = None) -> Reply:
+    def text(
+        text: str,
+        *,
+        chunks: list[str] | None = None,
+        delay: float = 0.0,
+        reasoning: str | None = None,
+        reasoning_field: str = "reasoning_content",
+        finish: str = "stop",
+        usage: tuple[int, int] | None = None,
+    ) -> Reply:
         """Assistant text (streamed in `chunks`, by default one per word), optional reasoning first."""
-        return Reply("text", text=text, chunks=tuple(chunks) if chunks is not None else None, delay=delay,
-                     reasoning=reasoning, reasoning_field=reasoning_field, finish=finish, usage=usage)
+        return Reply(
+            "text",
+            text=text,
+            chunks=tuple(chunks) if chunks is not None else None,
+            delay=delay,
+            reasoning=reasoning,
+            reasoning_field=reasoning_field,
+            finish=finish,
+            usage=usage,
+        )
 
     @staticmethod
     def tool_calls(calls: list[dict], *, fragments: int = 3, usage: tuple[int, int] | None = None) -> Reply:
         """Tool calls [{"name", "arguments": "<json string>", "id"?}], arguments streamed in fragments."""
         normalized = tuple(
-            {"id": c.get("id") or f"call_{uuid.uuid4().hex[:24]}", "name": c["name"], "arguments": c.get("arguments", "{}")}
+            {
+                "id": c.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+                "name": c["name"],
+                "arguments": c.get("arguments", "{}"),
+            }
             for c in calls
         )
         return Reply("tool_calls", calls=normalized, fragments=fragments, finish="tool_calls", usage=usage)
@@ -290,8 +321,10 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         self.fake._record(path, self.headers, None)
         if path.rstrip("/").endswith("/models"):
-            self._json(200, {"object": "list", "data": [
-                {"id": "fake-model", "object": "model", "created": 0, "owned_by": "fake"}]})
+            self._json(
+                200,
+                {"object": "list", "data": [{"id": "fake-model", "object": "model", "created": 0, "owned_by": "fake"}]},
+            )
         else:
             self._json(404, {"error": {"message": f"No route {path}.", "type": "invalid_request_error"}})
 
@@ -313,8 +346,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if reply.kind == "error":
                 kind, code = ERROR_TYPES.get(reply.status, ("server_error" if reply.status >= 500 else "error", None))
-                self._json(reply.status, {"error": {"message": reply.message, "type": kind, "param": None, "code": code}},
-                           reply.headers)
+                self._json(
+                    reply.status,
+                    {"error": {"message": reply.message, "type": kind, "param": None, "code": code}},
+                    reply.headers,
+                )
             elif body.get("stream"):
                 self._stream(reply, body)
             else:
@@ -334,8 +370,12 @@ class _Handler(BaseHTTPRequestHandler):
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _base(self, body: dict, kind: str) -> dict:
-        return {"id": f"chatcmpl-{uuid.uuid4().hex[:20]}", "object": kind, "created": int(time.time()),
-                "model": body.get("model") or "fake-model"}
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:20]}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": body.get("model") or "fake-model",
+        }
 
     def _complete(self, reply: Reply, body: dict) -> None:
         if reply.kind == "stall":
@@ -371,8 +411,18 @@ class _Handler(BaseHTTPRequestHandler):
         pieces: list[dict] = []
         if reply.kind == "tool_calls":
             for i, call in enumerate(reply.calls):
-                pieces.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                               "function": {"name": call["name"], "arguments": ""}}]})
+                pieces.append(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": i,
+                                "id": call["id"],
+                                "type": "function",
+                                "function": {"name": call["name"], "arguments": ""},
+                            }
+                        ]
+                    }
+                )
             fragments = [_split(call["arguments"], reply.fragments) for call in reply.calls]
             # Round-robin across calls, so a client must join the fragments per index.
             for round_ in range(max((len(f) for f in fragments), default=0)):
@@ -412,10 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--by-model", action="store_true", help="shape replies by the model name (see above)")
     args = parser.parse_args(argv)
     chunks = [f"t{i} " for i in range(max(1, args.tokens))]
-    reply = FakeOpenAI.text("".join(chunks), chunks=chunks, delay=args.delay_ms / 1000,
-                            usage=(20, len(chunks)))
-    fake = FakeOpenAI(args.host, args.port, default_reply=reply, record=False,
-                      by_model=args.by_model).start()
+    reply = FakeOpenAI.text("".join(chunks), chunks=chunks, delay=args.delay_ms / 1000, usage=(20, len(chunks)))
+    fake = FakeOpenAI(args.host, args.port, default_reply=reply, record=False, by_model=args.by_model).start()
     done = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: done.set())

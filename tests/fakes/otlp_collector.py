@@ -79,11 +79,17 @@ class OtlpCollector:
             resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    found.append(Span(
-                        name=span.name, trace_id=span.trace_id.hex(), span_id=span.span_id.hex(),
-                        parent_id=span.parent_span_id.hex(), kind=span.kind,
-                        attributes={a.key: _value(a.value) for a in span.attributes}, resource=resource,
-                    ))
+                    found.append(
+                        Span(
+                            name=span.name,
+                            trace_id=span.trace_id.hex(),
+                            span_id=span.span_id.hex(),
+                            parent_id=span.parent_span_id.hex(),
+                            kind=span.kind,
+                            attributes={a.key: _value(a.value) for a in span.attributes},
+                            resource=resource,
+                        )
+                    )
         with self.lock:
             self.spans.extend(found)
 

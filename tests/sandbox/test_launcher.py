@@ -61,13 +61,24 @@ def confined(service, script: str) -> str:
     """Run `script` the way an agent of the service's own user is run; its output."""
     argv = ["/bin/sh", "-c", script]
     if not SANDBOX_OFF:
-        spec = sandbox.SandboxSpec(unit="test:launcher", writable=(service["workspace"],), read_paths=(),
-                                   egress=(), limits=limits.Limits.parse({"processes": 64}))
+        spec = sandbox.SandboxSpec(
+            unit="test:launcher",
+            writable=(service["workspace"],),
+            read_paths=(),
+            egress=(),
+            limits=limits.Limits.parse({"processes": 64}),
+        )
         # uid None: the launcher keeps the user it was started as, like an unprivileged service.
         policy = sandbox.policy(spec, "/bin/sh", uid=None, cwd=service["workspace"], proxy_port=None, base_tasks=50)
         argv = sandbox.launcher_argv(policy, argv)
-    done = subprocess.run(as_service(argv), capture_output=True, text=True, timeout=60, cwd=service["workspace"],
-                          env={"PATH": sandbox.sandbox_path()})
+    done = subprocess.run(
+        as_service(argv),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=service["workspace"],
+        env={"PATH": sandbox.sandbox_path()},
+    )
     return done.stdout + done.stderr
 
 
@@ -79,8 +90,7 @@ def test_without_a_uid_of_its_own_the_agent_still_cannot_read_the_services_files
 
 def test_without_a_uid_of_its_own_the_agent_still_cannot_read_or_signal_the_services_processes(service):
     pid = service["pid"]
-    output = confined(service, f"cat /proc/{pid}/environ; kill -0 {pid} && echo signalled; "
-                               f"head -c 16 /proc/{pid}/maps")
+    output = confined(service, f"cat /proc/{pid}/environ; kill -0 {pid} && echo signalled; head -c 16 /proc/{pid}/maps")
     assert service["secret"] not in output
     assert "signalled" not in output
     assert not re.search(r"\b[0-9a-f]{6,}-[0-9a-f]{6,}\b", output)  # no line of its memory map
@@ -94,9 +104,16 @@ def test_a_kernel_without_landlock_makes_the_agent_refuse_to_start_naming_what_i
     try:
         gaps = sandbox.missing()
         assert gaps == ("Landlock ABI 6 (Linux 6.12 or later; this kernel offers ABI 3)",)
-        spec = ProcessSpec(key="k", label="refusing", argv=("python", "-c", "print(1)"), env={}, home=tmp_path,
-                           sandbox=sandbox.SandboxSpec(unit="test:refusal", writable=(tmp_path,), read_paths=(),
-                                                       egress=(), limits=limits.Limits.parse(None)))
+        spec = ProcessSpec(
+            key="k",
+            label="refusing",
+            argv=("python", "-c", "print(1)"),
+            env={},
+            home=tmp_path,
+            sandbox=sandbox.SandboxSpec(
+                unit="test:refusal", writable=(tmp_path,), read_paths=(), egress=(), limits=limits.Limits.parse(None)
+            ),
+        )
         process = AgentProcess(spec)
         with pytest.raises(AgentError) as refused:
             asyncio.run(process.start())
@@ -113,8 +130,11 @@ def test_the_egress_proxy_lets_through_only_the_allowed_destinations():
     async def scenario():
         async def upstream(reader, writer):
             request = await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi"
-                         if request.startswith(b"GET /models") else b"HTTP/1.1 400 Bad\r\n\r\n")
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi"
+                if request.startswith(b"GET /models")
+                else b"HTTP/1.1 400 Bad\r\n\r\n"
+            )
             await writer.drain()
             writer.close()
 
@@ -164,7 +184,7 @@ def test_commands_are_found_on_the_sandboxs_path_which_starts_with_the_services_
         sandbox.resolve("no-such-agent", path)
 
 
-UNPRIVILEGED_SERVICE = r'''
+UNPRIVILEGED_SERVICE = r"""
 import asyncio, os, sys
 from pathlib import Path
 
@@ -211,7 +231,7 @@ async def main():
 
 
 asyncio.run(main())
-'''
+"""
 
 
 def test_an_unprivileged_service_starts_its_agents_sandboxed(service):
@@ -221,19 +241,31 @@ def test_an_unprivileged_service_starts_its_agents_sandboxed(service):
     os.chown(state, SERVICE_UID, SERVICE_UID)
     state.chmod(0o755)
     fake = str(Path(__file__).parents[1] / "fakes" / "acp_agent.py")
-    script = (f"echo ok > mine.txt && cat mine.txt; cat {service['private']}; "
-              "cat /proc/$(cut -d' ' -f4 /proc/$PPID/stat)/environ; kill -0 $(cut -d' ' -f4 /proc/$PPID/stat) "
-              "&& echo signalled")
+    script = (
+        f"echo ok > mine.txt && cat mine.txt; cat {service['private']}; "
+        "cat /proc/$(cut -d' ' -f4 /proc/$PPID/stat)/environ; kill -0 $(cut -d' ' -f4 /proc/$PPID/stat) "
+        "&& echo signalled"
+    )
     env = {
-        "PATH": sandbox.sandbox_path(), "DJANGO_SETTINGS_MODULE": "hosting.settings",
-        "HOSTING_VAR_DIR": str(state / "var"), "AAP_WORKSPACE_ROOT": str(state / "workspaces"),
-        "SECRET_KEY": "unprivileged-service-test-key", "DATABASE_URL": "", "REDIS_URL": "",
-        "HOSTING_ENCRYPTION_KEYS": os.environ["HOSTING_ENCRYPTION_KEYS"], "SERVICE_SECRET": service["secret"],
+        "PATH": sandbox.sandbox_path(),
+        "DJANGO_SETTINGS_MODULE": "hosting.settings",
+        "HOSTING_VAR_DIR": str(state / "var"),
+        "AAP_WORKSPACE_ROOT": str(state / "workspaces"),
+        "SECRET_KEY": "unprivileged-service-test-key",
+        "DATABASE_URL": "",
+        "REDIS_URL": "",
+        "HOSTING_ENCRYPTION_KEYS": os.environ["HOSTING_ENCRYPTION_KEYS"],
+        "SERVICE_SECRET": service["secret"],
     }
     try:
-        done = subprocess.run(as_service([sys.executable, "-c", UNPRIVILEGED_SERVICE, fake, script,
-                                          "1" if SANDBOX_OFF else "0"]),
-                              capture_output=True, text=True, timeout=120, env=env, cwd=str(Path(fake).parents[2]))
+        done = subprocess.run(
+            as_service([sys.executable, "-c", UNPRIVILEGED_SERVICE, fake, script, "1" if SANDBOX_OFF else "0"]),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=str(Path(fake).parents[2]),
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         output = done.stdout
         assert output.startswith("exit=") and "\nok\n" in output  # its workspace works

@@ -22,14 +22,19 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
     max_leaves=6,
 )
-delta = st.builds(lambda kind, text: {"event": f"{kind}_delta", "delta": text}, st.sampled_from(["text", "thinking"]), words)
+delta = st.builds(
+    lambda kind, text: {"event": f"{kind}_delta", "delta": text}, st.sampled_from(["text", "thinking"]), words
+)
 tool_call = st.builds(
     lambda i, name, args: {"event": "tool_call", "toolCallId": f"call_{i}", "name": name, "input": args},
-    st.integers(0, 99), st.sampled_from(["add", "clock", "lookup"]), st.dictionaries(st.text(max_size=4), json_values, max_size=3),
+    st.integers(0, 99),
+    st.sampled_from(["add", "clock", "lookup"]),
+    st.dictionaries(st.text(max_size=4), json_values, max_size=3),
 )
 tool_result = st.builds(
     lambda i, content: {"event": "tool_result", "toolCallId": f"call_{i}", "content": content},
-    st.integers(0, 99), st.text(max_size=8),
+    st.integers(0, 99),
+    st.text(max_size=8),
 )
 runtime_events = st.lists(st.one_of(delta, delta, delta, tool_call, tool_result), max_size=40)
 
@@ -71,10 +76,14 @@ def test_fold_joins_deltas_and_splits_at_tool_results():
         {"event": "turn_stop", "stopReason": "end_turn"},
     ]
     assert fold(events) == [
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "ab"},
-            {"type": "tool_use", "toolCallId": "c1", "name": "add", "input": {"a": 1}},
-        ]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "hm"},
+                {"type": "text", "text": "ab"},
+                {"type": "tool_use", "toolCallId": "c1", "name": "add", "input": {"a": 1}},
+            ],
+        },
         {"role": "tool", "toolCallId": "c1", "content": "2"},
         {"role": "assistant", "content": [{"type": "text", "text": "done"}]},
     ]
@@ -103,10 +112,10 @@ def test_sse_parser_reads_any_chunking_and_line_ending(events, cuts, newline):
 
 def test_sse_parser_joins_multiline_data_and_keeps_partial_frames():
     parser = SSEParser()
-    assert parser.feed(b"id: 7\nevent: text\ndata: {\"text\":\ndata: \"x\"}\n") == []
+    assert parser.feed(b'id: 7\nevent: text\ndata: {"text":\ndata: "x"}\n') == []
     [event] = parser.feed(b"\n")
     assert (event.id, event.event, event.data) == (7, "text", {"text": "x"})
-    assert parse_sse(b"event: turn_stop\ndata: {\"stopReason\":\"end_turn\"}\n\n")[0].data == {"stopReason": "end_turn"}
+    assert parse_sse(b'event: turn_stop\ndata: {"stopReason":"end_turn"}\n\n')[0].data == {"stopReason": "end_turn"}
 
 
 def test_sse_frame_is_compact_json_without_the_event_key():

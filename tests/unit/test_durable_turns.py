@@ -27,10 +27,13 @@ def test_checkpoint_beyond_the_stream_is_kept_and_its_unsent_part_published():
     produced, unsent = _produced_before_loss(turn, _streamed(checkpoint[0]))
     assert unsent == checkpoint[1:]
     assert produced == [
-        {"role": "assistant", "content": [
-            {"type": "text", "text": "looking it up"},
-            {"type": "tool_use", "toolCallId": "c1", "name": "lookup", "input": {}},
-        ]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "looking it up"},
+                {"type": "tool_use", "toolCallId": "c1", "name": "lookup", "input": {}},
+            ],
+        },
         {"role": "tool", "toolCallId": "c1", "content": "42"},
         {"role": "assistant", "content": [{"type": "text", "text": "the answer is"}]},
     ]
@@ -42,7 +45,9 @@ def test_stream_ahead_of_the_checkpoint_wins():
     streamed = _streamed({"event": "text", "text": "one"}, {"event": "text", "text": "two"})
     produced, unsent = _produced_before_loss(Turn(stream="none", partial=json.dumps(checkpoint)), streamed)
     assert unsent == []
-    assert produced == [{"role": "assistant", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]
+    assert produced == [
+        {"role": "assistant", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}
+    ]
 
 
 def test_delta_mode_history_is_what_was_streamed():
@@ -65,4 +70,6 @@ def test_fingerprint_compares_requests_as_json():
     b = request_fingerprint("POST", "/v1/sessions", {"agent": {"options": {"b": "2", "a": "1"}, "name": "echo"}})
     assert a == b
     assert a != request_fingerprint("POST", "/v1/sessions", {"agent": {"name": "echo"}})
-    assert a != request_fingerprint("POST", "/v1/sessions/x/turns", {"agent": {"name": "echo", "options": {"a": "1", "b": "2"}}})
+    assert a != request_fingerprint(
+        "POST", "/v1/sessions/x/turns", {"agent": {"name": "echo", "options": {"a": "1", "b": "2"}}}
+    )

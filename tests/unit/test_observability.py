@@ -25,7 +25,12 @@ def test_label_values_beyond_the_cap_read_as_other():
 
 @pytest.mark.parametrize(
     "header, name",
-    [('"tenant-turns";q=10;w=60', "tenant-turns"), ("concurrent;q=2", "concurrent"), ("", "unknown"), (None, "unknown")],
+    [
+        ('"tenant-turns";q=10;w=60', "tenant-turns"),
+        ("concurrent;q=2", "concurrent"),
+        ("", "unknown"),
+        (None, "unknown"),
+    ],
 )
 def test_a_429_is_counted_under_its_policy_name(header, name):
     response = HttpResponse(status=429)
@@ -55,8 +60,15 @@ def test_usage_query_reads_dates_as_utc_midnight_and_times_with_their_offset():
     assert query["end"] == datetime(2026, 11, 2, 10, 30, tzinfo=UTC)
 
 
-@pytest.mark.parametrize("params", [{"groupBy": "tenant"}, {"from": "soon"}, {"from": "2026-02-01", "to": "2026-01-31"},
-                                    {"from": "2024-01-01", "to": "2026-01-01"}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"groupBy": "tenant"},
+        {"from": "soon"},
+        {"from": "2026-02-01", "to": "2026-01-31"},
+        {"from": "2024-01-01", "to": "2026-01-01"},
+    ],
+)
 def test_bad_usage_queries_raise_a_sentence(params):
     with pytest.raises(BadRequest) as refused:
         usage_query(params)

@@ -91,9 +91,12 @@ def test_turn_1000_converts_what_turn_10_converts_and_sends_the_whole_history(mo
 def test_a_history_that_changed_at_its_start_is_converted_again(model):
     runtime = OpenAIRuntime()
     run_session(runtime, model, "s", 5)
-    history = [{"role": "system", "content": "Summary of the earlier conversation:\nhello"},
-               {"role": "user", "content": "question 1"}, {"role": "assistant", "content": "ok"},
-               {"role": "user", "content": "next"}]
+    history = [
+        {"role": "system", "content": "Summary of the earlier conversation:\nhello"},
+        {"role": "user", "content": "question 1"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "next"},
+    ]
 
     async def go():
         ctx = Ctx("s", history, {}, {"model": "m", "apiKey": "k", "baseUrl": model.url})
@@ -110,7 +113,12 @@ def test_one_sdk_client_per_endpoint_per_process(model):
     async def go():
         made = set()
         for number in range(3):
-            ctx = Ctx(f"s{number}", [{"role": "user", "content": "hi"}], {}, {"model": "m", "apiKey": "k", "baseUrl": model.url})
+            ctx = Ctx(
+                f"s{number}",
+                [{"role": "user", "content": "hi"}],
+                {},
+                {"model": "m", "apiKey": "k", "baseUrl": model.url},
+            )
             assert await runtime.run(ctx) == "end_turn"
             made.add(id(runtime._clients.get(api_key="k", base_url=model.url, timeout=60.0, retries=2)))
         return made

@@ -48,9 +48,20 @@ def test_budget_refuses_past_bytes_and_entries(settings):
 
 def _plan(text: str, stream: str = "delta") -> host.TurnPlan:
     return host.TurnPlan(
-        turn_id="turn_unit", session_id="sess_unit", tenant="t", agent_name="echo", runtime_kind="echo",
-        config={}, options={}, server_tools={}, client_tools={}, history=[], incoming=[{"role": "user", "content": text}],
-        permissions=[], stream=stream, capabilities={},
+        turn_id="turn_unit",
+        session_id="sess_unit",
+        tenant="t",
+        agent_name="echo",
+        runtime_kind="echo",
+        config={},
+        options={},
+        server_tools={},
+        client_tools={},
+        history=[],
+        incoming=[{"role": "user", "content": text}],
+        permissions=[],
+        stream=stream,
+        capabilities={},
     )
 
 
@@ -80,7 +91,9 @@ def test_a_turn_over_its_byte_bound_ends_max_tokens_with_a_sentence(settings, me
 
 def test_a_turn_over_its_event_bound_ends_max_tokens(settings, memory_events):
     settings.AAP_TURN_MAX_EVENTS = 50
-    outcome = asyncio.run(host.execute(_plan("/tools " + str([{"name": f"t{i}"} for i in range(60)]).replace("'", '"'))))
+    outcome = asyncio.run(
+        host.execute(_plan("/tools " + str([{"name": f"t{i}"} for i in range(60)]).replace("'", '"')))
+    )
     assert outcome.stop_reason == "max_tokens"
     assert "limit of 50 events per turn" in outcome.stop_meta["outputLimit"]
     assert len(memory_events.read_all_sync("turn_unit")) == 50

@@ -9,7 +9,9 @@ class Command(BaseCommand):
     help = "Create or update tenants (their limits) and agents (options, server tools) from a JSON or YAML file (idempotent)."
 
     def add_arguments(self, parser):
-        parser.add_argument("file", help="a .json, .yaml or .yml file: a list of agents or {tenants: [...], agents: [...]}")
+        parser.add_argument(
+            "file", help="a .json, .yaml or .yml file: a list of agents or {tenants: [...], agents: [...]}"
+        )
         parser.add_argument("--prune", action="store_true", help="remove agents the file no longer lists")
 
     def handle(self, *args, file, prune, **options):

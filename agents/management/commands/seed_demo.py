@@ -10,10 +10,16 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser):
-        parser.add_argument("--assistant", action="store_true",
-                            help="also register 'assistant' (openai runtime) from OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL")
-        parser.add_argument("--no-token", action="store_true",
-                            help="only the tenant and agents; no token is printed (e.g. in a container: use create_token demo)")
+        parser.add_argument(
+            "--assistant",
+            action="store_true",
+            help="also register 'assistant' (openai runtime) from OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL",
+        )
+        parser.add_argument(
+            "--no-token",
+            action="store_true",
+            help="only the tenant and agents; no token is printed (e.g. in a container: use create_token demo)",
+        )
 
     def handle(self, *args, assistant=False, no_token=False, **options):
         result = demo_seed(assistant=assistant, token=not no_token)

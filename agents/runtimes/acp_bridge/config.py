@@ -30,11 +30,18 @@ CONFIG_SCHEMA = {
             "type": "object",
             "additionalProperties": {
                 "oneOf": [
-                    {"type": "object", "required": ["env"], "properties": {"env": ENV_NAME},
-                     "additionalProperties": False},
-                    {"type": "object", "required": ["configOption"],
-                     "properties": {"configOption": {"type": "string", "minLength": 1}},
-                     "additionalProperties": False},
+                    {
+                        "type": "object",
+                        "required": ["env"],
+                        "properties": {"env": ENV_NAME},
+                        "additionalProperties": False,
+                    },
+                    {
+                        "type": "object",
+                        "required": ["configOption"],
+                        "properties": {"configOption": {"type": "string", "minLength": 1}},
+                        "additionalProperties": False,
+                    },
                 ]
             },
         },

@@ -49,7 +49,9 @@ def tool_text(state: CallState, status: str | None) -> str:
             else:
                 parts.append(f"[{block.type}]")
         elif item.type == "diff":
-            parts.append(f"Edited {item.path}" if status == "completed" else f"Proposed edit to {item.path} (not applied)")
+            parts.append(
+                f"Edited {item.path}" if status == "completed" else f"Proposed edit to {item.path} (not applied)"
+            )
         elif item.type == "terminal":
             parts.append(f"[terminal {item.terminal_id}]")
     text = "\n".join(parts)

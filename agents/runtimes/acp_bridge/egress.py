@@ -59,8 +59,15 @@ class EgressProxy:
         self._tasks.add(task)
         try:
             await self._handle(reader, writer)
-        except (asyncio.CancelledError, ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                TimeoutError, ValueError, OSError):
+        except (
+            asyncio.CancelledError,
+            ConnectionError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            TimeoutError,
+            ValueError,
+            OSError,
+        ):
             pass
         finally:
             self._tasks.discard(task)
@@ -85,8 +92,9 @@ class EgressProxy:
                 path += "?" + url.query
             forward = f"{method} {path} {version}\r\n".encode("latin-1") + rest
         if (host, port) not in self.allowed:
-            logger.warning("sandbox: agent %s tried to reach %s:%s, which its egress does not allow",
-                           self.label, host, port)
+            logger.warning(
+                "sandbox: agent %s tried to reach %s:%s, which its egress does not allow", self.label, host, port
+            )
             await self._refuse(writer, f"{host}:{port} is not in this agent's egress allowlist")
             return
         try:
@@ -119,6 +127,9 @@ class EgressProxy:
     @staticmethod
     async def _refuse(writer: asyncio.StreamWriter, reason: str) -> None:
         body = f"Refused by the sandbox: {reason}.\n".encode()
-        writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        writer.write(
+            b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         await writer.drain()

@@ -33,8 +33,10 @@ class Limits:
     def parse(cls, config: dict | None) -> Limits:
         values = {**LIMIT_DEFAULTS, **(config or {})}
         return cls(
-            memory_bytes=int(values["memoryMiB"]) * MiB, cpu_seconds=int(values["cpuSeconds"]),
-            processes=int(values["processes"]), disk_bytes=int(values["diskMiB"]) * MiB,
+            memory_bytes=int(values["memoryMiB"]) * MiB,
+            cpu_seconds=int(values["cpuSeconds"]),
+            processes=int(values["processes"]),
+            disk_bytes=int(values["diskMiB"]) * MiB,
             open_files=int(values["openFiles"]),
         )
 

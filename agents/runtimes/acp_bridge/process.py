@@ -145,7 +145,11 @@ class BridgeClient:
     async def read_text_file(self, session_id, path, line=None, limit=None, **kwargs):
         async with self._serving(session_id) as session:
             content = await asyncio.to_thread(
-                workspace.read_text, session.workspace, path, line=line, limit=limit,
+                workspace.read_text,
+                session.workspace,
+                path,
+                line=line,
+                limit=limit,
                 max_bytes=self._process.spec.max_file_bytes,
             )
         return schema.ReadTextFileResponse(content=content)
@@ -153,7 +157,11 @@ class BridgeClient:
     async def write_text_file(self, session_id, path, content, **kwargs):
         async with self._serving(session_id) as session:
             await asyncio.to_thread(
-                workspace.write_text, session.workspace, path, content, max_bytes=self._process.spec.max_file_bytes,
+                workspace.write_text,
+                session.workspace,
+                path,
+                content,
+                max_bytes=self._process.spec.max_file_bytes,
                 owner=self._process.uid,
             )
         return schema.WriteTextFileResponse()
@@ -163,8 +171,9 @@ class BridgeClient:
             raise acp.RequestError.method_not_found(method)
         return session.terminals
 
-    async def create_terminal(self, session_id, command, args=None, env=None, cwd=None, output_byte_limit=None,
-                              **kwargs):
+    async def create_terminal(
+        self, session_id, command, args=None, env=None, cwd=None, output_byte_limit=None, **kwargs
+    ):
         async with self._serving(session_id) as session:
             terminals = self._terminals(session, "terminal/create")
             terminal_id = await terminals.create(command, args, env, cwd, output_byte_limit)
@@ -244,8 +253,14 @@ class AgentProcess:
             raise AgentError(self.failure) from None
         try:
             self.process = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd, start_new_session=True, limit=STREAM_LIMIT,
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+                limit=STREAM_LIMIT,
             )
         except OSError as exc:
             self.failure = f"The agent command could not be started ({type(exc).__name__})."
@@ -253,11 +268,21 @@ class AgentProcess:
             await self._close_proxy()
             raise AgentError(self.failure) from None
         if self.spec.sandbox is None:
-            logger.warning("ACP agent %s started WITHOUT A SANDBOX (pid %s, %s): unsafeWithoutSandbox is set; it has "
-                           "the worker's reach", self.spec.label, self.process.pid, self.spec.argv[0])
+            logger.warning(
+                "ACP agent %s started WITHOUT A SANDBOX (pid %s, %s): unsafeWithoutSandbox is set; it has "
+                "the worker's reach",
+                self.spec.label,
+                self.process.pid,
+                self.spec.argv[0],
+            )
         else:
-            logger.info("ACP agent %s started (pid %s, %s, sandboxed as uid %s)", self.spec.label, self.process.pid,
-                        self.spec.argv[0], self.uid if self.uid is not None else os.getuid())
+            logger.info(
+                "ACP agent %s started (pid %s, %s, sandboxed as uid %s)",
+                self.spec.label,
+                self.process.pid,
+                self.spec.argv[0],
+                self.uid if self.uid is not None else os.getuid(),
+            )
         metrics.acp_process_started()
         self._output = _AgentOutput(self.process.stdout, self.process.stdin)
         self.conn = acp.connect_to_agent(BridgeClient(self), self._output)
@@ -269,7 +294,8 @@ class AgentProcess:
         try:
             response = await self.call(
                 self.conn.initialize(
-                    protocol_version=PROTOCOL_VERSION, client_capabilities=capabilities,
+                    protocol_version=PROTOCOL_VERSION,
+                    client_capabilities=capabilities,
                     client_info=schema.Implementation(name="aap-hosting", title="AAP hosting", version="1.0.0"),
                 ),
                 "initialize",
@@ -298,15 +324,23 @@ class AgentProcess:
             self.proxy = EgressProxy(box.egress, spec.label)
             await self.proxy.start()
         proxy_url = self.proxy.url if self.proxy else None
-        env = {**sandbox.environment(spec.home, tmp, proxy_url), **spec.env,
-               **sandbox.fixed_environment(spec.home, tmp, proxy_url)}
+        env = {
+            **sandbox.environment(spec.home, tmp, proxy_url),
+            **spec.env,
+            **sandbox.fixed_environment(spec.home, tmp, proxy_url),
+        }
         executable = sandbox.resolve(spec.argv[0], env["PATH"])
         base_tasks = 0
         if self.uid is None:  # RLIMIT_NPROC counts every task of the service's own uid too
             base_tasks = (await asyncio.to_thread(limits.snapshot)).unit(uid=os.getuid(), pgid=None)[1]
         self._policy = await asyncio.to_thread(
-            sandbox.policy, box, executable, uid=self.uid, cwd=spec.home,
-            proxy_port=self.proxy.port if self.proxy else None, base_tasks=base_tasks,
+            sandbox.policy,
+            box,
+            executable,
+            uid=self.uid,
+            cwd=spec.home,
+            proxy_port=self.proxy.port if self.proxy else None,
+            base_tasks=base_tasks,
         )
         self._disk_floor = await asyncio.to_thread(limits.disk_bytes, box.writable)
         return sandbox.launcher_argv(self._policy, [executable, *spec.argv[1:]]), env, spec.home
@@ -341,7 +375,9 @@ class AgentProcess:
         elif disk:
             used = await asyncio.to_thread(limits.disk_bytes, box.writable)
             if used > max(bounds.disk_bytes, self._disk_floor):
-                breach = f"The agent's workspace and home hold more than its disk limit of {limits.mib(bounds.disk_bytes)}"
+                breach = (
+                    f"The agent's workspace and home hold more than its disk limit of {limits.mib(bounds.disk_bytes)}"
+                )
             else:  # what it deleted no longer counts as allowed
                 self._disk_floor = min(self._disk_floor, max(used, bounds.disk_bytes))
         if breach is None or self.failure is not None:
@@ -361,12 +397,15 @@ class AgentProcess:
         try:
             return await asyncio.wait_for(awaitable, self.spec.start_timeout)
         except TimeoutError:
-            self.failure = self.failure or f"The agent did not answer {what} within {self.spec.start_timeout:g} seconds."
+            self.failure = (
+                self.failure or f"The agent did not answer {what} within {self.spec.start_timeout:g} seconds."
+            )
             await self.stop(self.failure, kill=True)
             raise AgentError(self.failure) from None
         except acp.RequestError as exc:
-            logger.warning("ACP agent %s refused %s: %s %s", self.spec.label, what, exc.code,
-                           self.spec.redact(str(exc))[:300])
+            logger.warning(
+                "ACP agent %s refused %s: %s %s", self.spec.label, what, exc.code, self.spec.redact(str(exc))[:300]
+            )
             raise AgentError(f"The agent refused {what} (JSON-RPC error {exc.code}).") from None
         except (ConnectionError, OSError):
             raise AgentError(await self.explain()) from None
@@ -407,8 +446,13 @@ class AgentProcess:
             if sentence:
                 return sentence
         tail = self.spec.redact("\n".join(self._stderr))
-        logger.warning("ACP agent %s (pid %s) exited with code %s; last stderr lines:\n%s",
-                       self.spec.label, self.process.pid, code, tail)
+        logger.warning(
+            "ACP agent %s (pid %s) exited with code %s; last stderr lines:\n%s",
+            self.spec.label,
+            self.process.pid,
+            code,
+            tail,
+        )
         return f"The agent process exited unexpectedly (exit code {code})."
 
     async def _watch(self) -> None:

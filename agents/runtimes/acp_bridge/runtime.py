@@ -76,8 +76,12 @@ class AcpRuntime(Runtime):
     @classmethod
     def builtin_server_tools(cls, config: dict) -> list[dict]:
         return [
-            {"name": name, "title": title, "description": f"{text} (ACP tool kind '{name}'.)",
-             "parameters": {"type": "object"}}
+            {
+                "name": name,
+                "title": title,
+                "description": f"{text} (ACP tool kind '{name}'.)",
+                "parameters": {"type": "object"},
+            }
             for name, (title, text) in TOOL_KINDS.items()
         ]
 
@@ -160,22 +164,31 @@ class AcpRuntime(Runtime):
         state = prompt.calls.get(tool_call.tool_call_id)
         if state is None:
             # AAP ids are the service's own: ACP ids are only unique within one ACP session.
-            state = CallState(kind=tool_call.kind or "other", aap_id="call_" + uuid.uuid4().hex,
-                              input=tool_input(tool_call.raw_input))
+            state = CallState(
+                kind=tool_call.kind or "other", aap_id="call_" + uuid.uuid4().hex, input=tool_input(tool_call.raw_input)
+            )
             prompt.calls[tool_call.tool_call_id] = state
             meta = {"acpToolCallId": tool_call.tool_call_id}
             if tool_call.title:
                 meta["title"] = tool_call.title
-            await ctx.emit({"event": "tool_call", "toolCallId": state.aap_id, "name": state.kind,
-                            "input": state.input, "_meta": meta})
+            await ctx.emit(
+                {
+                    "event": "tool_call",
+                    "toolCallId": state.aap_id,
+                    "name": state.kind,
+                    "input": state.input,
+                    "_meta": meta,
+                }
+            )
         return state
 
     async def _result(self, ctx: TurnContext, state: CallState, content: str) -> None:
         state.resolved = True
         await ctx.emit({"event": "tool_result", "toolCallId": state.aap_id, "content": content})
 
-    async def _permission(self, ctx: TurnContext, session: AcpSession, prompt: Prompt,
-                          waiter: PermissionWaiter) -> bool:
+    async def _permission(
+        self, ctx: TurnContext, session: AcpSession, prompt: Prompt, waiter: PermissionWaiter
+    ) -> bool:
         """Answer a permission request, or hand it to the application (returns True: park)."""
         state = await self._show_call(ctx, prompt, waiter.tool_call)
         kind = waiter.tool_call.kind or state.kind
@@ -220,8 +233,13 @@ class AcpRuntime(Runtime):
 
     async def _answer_lost(self, ctx: TurnContext) -> StopReason:
         for answer in ctx.permissions:
-            await ctx.emit({"event": "tool_result", "toolCallId": answer.call.toolCallId,
-                            "content": denial_text("the agent is no longer waiting for this answer")})
+            await ctx.emit(
+                {
+                    "event": "tool_result",
+                    "toolCallId": answer.call.toolCallId,
+                    "content": denial_text("the agent is no longer waiting for this answer"),
+                }
+            )
         raise AgentError(
             "The agent prompt that asked for this permission is gone (its process stopped or restarted); "
             "send a new message."
@@ -233,8 +251,12 @@ class AcpRuntime(Runtime):
         await self._holds.release(session.aap_id)
         await self._close_calls(ctx, prompt)
         if isinstance(result, acp.RequestError):
-            logger.warning("ACP agent %s failed a prompt: %s %s", session.process.spec.label, result.code,
-                           session.process.spec.redact(str(result))[:300])
+            logger.warning(
+                "ACP agent %s failed a prompt: %s %s",
+                session.process.spec.label,
+                result.code,
+                session.process.spec.redact(str(result))[:300],
+            )
             raise AgentError(f"The agent failed the prompt (JSON-RPC error {result.code}).")
         if isinstance(result, BaseException):
             raise AgentError(await session.process.explain())
@@ -309,8 +331,10 @@ class AcpRuntime(Runtime):
         }
         per_session = cfg.isolation == "session"
         # The isolation unit is a process: a session's own, or one a tenant's sessions share.
-        identity = json.dumps([ctx.tenant, ctx.agent_name, ctx.config, option_env,
-                               ctx.session_id if per_session else None], sort_keys=True)
+        identity = json.dumps(
+            [ctx.tenant, ctx.agent_name, ctx.config, option_env, ctx.session_id if per_session else None],
+            sort_keys=True,
+        )
         key = hashlib.sha256(identity.encode()).hexdigest()
         if per_session:
             home = workspace.session_home(ctx.tenant, ctx.session_id, ctx.agent_name)
@@ -320,8 +344,16 @@ class AcpRuntime(Runtime):
             home = workspace.agent_home(ctx.tenant, ctx.agent_name)
             unit = sandbox.unit_name("tenant", ctx.tenant, key[:16])
             writable = (workspace.tenant_path(ctx.tenant),)
-        box = None if cfg.unsafe else sandbox.SandboxSpec(
-            unit=unit, writable=writable, read_paths=cfg.read_paths, egress=cfg.egress, limits=cfg.limits,
+        box = (
+            None
+            if cfg.unsafe
+            else sandbox.SandboxSpec(
+                unit=unit,
+                writable=writable,
+                read_paths=cfg.read_paths,
+                egress=cfg.egress,
+                limits=cfg.limits,
+            )
         )
         return ProcessSpec(
             key=key,
@@ -398,9 +430,14 @@ class AcpRuntime(Runtime):
             )
             acp_id = response.session_id
         session = AcpSession(
-            aap_id=ctx.session_id, tenant=ctx.tenant, acp_id=acp_id, workspace=path, process=process,
-            terminals=Terminals(path, timeout=cfg.terminal_timeout, max_output=cfg.terminal_output_bytes,
-                                confine=process.confined),
+            aap_id=ctx.session_id,
+            tenant=ctx.tenant,
+            acp_id=acp_id,
+            workspace=path,
+            process=process,
+            terminals=Terminals(
+                path, timeout=cfg.terminal_timeout, max_output=cfg.terminal_output_bytes, confine=process.confined
+            ),
             permission_timeout=cfg.permission_timeout,
         )
         session.config_ids = {option.id for option in getattr(response, "config_options", None) or []}
@@ -417,8 +454,12 @@ class AcpRuntime(Runtime):
             if not config_id or not value or session.config_values.get(config_id) == value:
                 continue
             if config_id not in session.config_ids:
-                logger.info("ACP agent %s advertises no config option %r; option %r not applied",
-                            session.process.spec.label, config_id, name)
+                logger.info(
+                    "ACP agent %s advertises no config option %r; option %r not applied",
+                    session.process.spec.label,
+                    config_id,
+                    name,
+                )
                 continue
             process = session.process
             await process.call(

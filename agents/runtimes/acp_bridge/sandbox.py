@@ -46,12 +46,23 @@ EGRESS_SCHEMA = {
     "items": {"type": "string", "pattern": r"^([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"},
 }
 
-SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/proc",
-               "/sys/devices/system/cpu")
+SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sys/devices/system/cpu")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 # /etc entries never granted, even when world-readable (unreadable ones are never granted).
-ETC_HIDDEN = {"shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d", "ssh", "ssl", "security",
-              "credstore", "credstore.encrypted", ".pwd.lock"}
+ETC_HIDDEN = {
+    "shadow",
+    "shadow-",
+    "gshadow",
+    "gshadow-",
+    "sudoers",
+    "sudoers.d",
+    "ssh",
+    "ssl",
+    "security",
+    "credstore",
+    "credstore.encrypted",
+    ".pwd.lock",
+}
 ETC_SSL = ("/etc/ssl/certs", "/etc/ssl/openssl.cnf")
 
 
@@ -170,8 +181,14 @@ def kill_uid(uid: int) -> None:
     """Kill every process of `uid` (whatever sessions or groups they made), as that uid."""
     if not as_root():
         return
-    subprocess.run([sys.executable, "-I", str(LAUNCHER), "--kill-uid", str(uid)], check=False, timeout=30,
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-I", str(LAUNCHER), "--kill-uid", str(uid)],
+        check=False,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     # Killed processes count against the uid's RLIMIT_NPROC until they are reaped (by init,
     # once their parent is gone): wait for them, or the unit's next process may not fork.
     deadline = time.monotonic() + UID_GONE_SECONDS
@@ -213,8 +230,9 @@ def _searchable(path: Path) -> None:
             continue
         if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
             os.chmod(directory, stat.S_IMODE(mode) | stat.S_IXOTH)
-            logger.warning("sandbox: made %s searchable by other users (o+x) so agents can reach what they are "
-                           "allowed", directory)
+            logger.warning(
+                "sandbox: made %s searchable by other users (o+x) so agents can reach what they are allowed", directory
+            )
 
 
 def own(path: Path, uid: int | None) -> None:
@@ -330,15 +348,15 @@ def _reads_protected(path: str) -> bool:
     return False
 
 
-def policy(spec: SandboxSpec, executable: str, *, uid: int | None, cwd: Path, proxy_port: int | None,
-           base_tasks: int = 0) -> dict:
+def policy(
+    spec: SandboxSpec, executable: str, *, uid: int | None, cwd: Path, proxy_port: int | None, base_tasks: int = 0
+) -> dict:
     """The launcher's policy (paths, ports and numbers only: it travels in argv)."""
     limits = spec.limits
     read = []
     for path in [*SYSTEM_READ, *_etc(), *_installation(executable), *spec.read_paths]:
         if _reads_protected(path):  # e.g. a readPaths entry or a command's directory above var/
-            logger.warning("sandbox: %s is not granted to agents: it holds the workspaces or the service's "
-                           "var/", path)
+            logger.warning("sandbox: %s is not granted to agents: it holds the workspaces or the service's var/", path)
             continue
         read.append(path)
     if uid is not None:
@@ -347,12 +365,19 @@ def policy(spec: SandboxSpec, executable: str, *, uid: int | None, cwd: Path, pr
                 continue  # the system's own directories are searchable already
             _searchable(Path(path) if os.path.isdir(path) else Path(path).parent)
     return {
-        "uid": uid, "gid": uid, "cwd": str(cwd),
-        "read": read, "devices": list(DEVICES), "write": [str(path) for path in spec.writable],
+        "uid": uid,
+        "gid": uid,
+        "cwd": str(cwd),
+        "read": read,
+        "devices": list(DEVICES),
+        "write": [str(path) for path in spec.writable],
         "connect": [proxy_port] if proxy_port else [],
         "limits": {
-            "data": limits.memory_bytes, "cpu": limits.cpu_seconds, "fsize": limits.disk_bytes,
-            "nofile": limits.open_files, "core": 0,
+            "data": limits.memory_bytes,
+            "cpu": limits.cpu_seconds,
+            "fsize": limits.disk_bytes,
+            "nofile": limits.open_files,
+            "core": 0,
             # Per uid: with a uid of its own the unit counts only its own tasks.
             "nproc": limits.processes + base_tasks,
         },
@@ -366,8 +391,14 @@ def launcher_argv(policy_: dict, argv: list[str]) -> list[str]:
 def environment(home: Path, tmp: Path, proxy_url: str | None) -> dict:
     """The base environment of a sandboxed agent: built from scratch, nothing of the service's."""
     env = {
-        "PATH": sandbox_path(), "HOME": str(home), "TMPDIR": str(tmp), "LANG": "C.UTF-8", "SHELL": "/bin/sh",
-        "USER": "aap-agent", "LOGNAME": "aap-agent", "TERM": "dumb",
+        "PATH": sandbox_path(),
+        "HOME": str(home),
+        "TMPDIR": str(tmp),
+        "LANG": "C.UTF-8",
+        "SHELL": "/bin/sh",
+        "USER": "aap-agent",
+        "LOGNAME": "aap-agent",
+        "TERM": "dumb",
     }
     if proxy_url:
         for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
@@ -389,7 +420,7 @@ def setup_failure(stderr_lines) -> str | None:
     """The launcher's own sentence, when it failed before the agent ran."""
     for line in stderr_lines:
         if line.startswith(SETUP_PREFIX):
-            return f"The agent's sandbox could not be set up: {line[len(SETUP_PREFIX):].strip()}."
+            return f"The agent's sandbox could not be set up: {line[len(SETUP_PREFIX) :].strip()}."
     return None
 
 

@@ -118,8 +118,12 @@ def _seccomp() -> None:
     rules.add_rule(refuse, "socket", seccomp.Arg(0, seccomp.GT, AF_INET6))
     for family in (AF_INET, AF_INET6):
         for kind in (2, 3, 4, 5, 6, 10):  # dgram, raw, rdm, seqpacket, dccp, packet
-            rules.add_rule(refuse, "socket", seccomp.Arg(0, seccomp.EQ, family),
-                           seccomp.Arg(1, seccomp.MASKED_EQ, SOCK_TYPE_MASK, kind))
+            rules.add_rule(
+                refuse,
+                "socket",
+                seccomp.Arg(0, seccomp.EQ, family),
+                seccomp.Arg(1, seccomp.MASKED_EQ, SOCK_TYPE_MASK, kind),
+            )
     # io_uring can open sockets and files without the syscalls above.
     for name in ("io_uring_setup", "io_uring_enter", "io_uring_register"):
         rules.add_rule(seccomp.ERRNO(errno.ENOSYS), name)

@@ -111,8 +111,17 @@ class Prompt:
 class AcpSession:
     """An AAP session's ACP session inside one agent process."""
 
-    def __init__(self, *, aap_id: str, tenant: str, acp_id: str, workspace: Path, process, terminals: Terminals,
-                 permission_timeout: float):
+    def __init__(
+        self,
+        *,
+        aap_id: str,
+        tenant: str,
+        acp_id: str,
+        workspace: Path,
+        process,
+        terminals: Terminals,
+        permission_timeout: float,
+    ):
         self.aap_id = aap_id
         self.tenant = tenant
         self.acp_id = acp_id

@@ -86,8 +86,9 @@ class Terminals:
             raise acp.RequestError.invalid_params({"terminalId": "unknown terminal"})
         return terminal
 
-    async def create(self, command: str, args: list[str] | None, env: list | None, cwd: str | None,
-                     output_byte_limit: int | None) -> str:
+    async def create(
+        self, command: str, args: list[str] | None, env: list | None, cwd: str | None, output_byte_limit: int | None
+    ) -> str:
         try:
             directory = confined_dir(self.workspace, cwd)
         except WorkspaceError as exc:
@@ -99,8 +100,13 @@ class Terminals:
             if self.confine is not None:
                 argv = self.confine(argv, directory)
             process = await asyncio.create_subprocess_exec(
-                *argv, cwd=directory, env=environment, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                *argv,
+                cwd=directory,
+                env=environment,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
             )
         except (OSError, SandboxError) as exc:
             raise acp.RequestError.invalid_params({"command": f"cannot run ({type(exc).__name__})"}) from None

@@ -70,7 +70,9 @@ class Clients:
         self._pools: dict[bool, httpx.AsyncClient] = {}
         self._clients: OrderedDict[tuple, openai.AsyncOpenAI] = OrderedDict()
 
-    def get(self, *, api_key: str, base_url: str, timeout: float, retries: int, guarded: bool = False) -> openai.AsyncOpenAI:
+    def get(
+        self, *, api_key: str, base_url: str, timeout: float, retries: int, guarded: bool = False
+    ) -> openai.AsyncOpenAI:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # a new loop (a forked process, a test's loop): nothing carries over
             self._loop, self._pools, self._clients = loop, {}, OrderedDict()
@@ -81,10 +83,15 @@ class Clients:
             return client
         pool = self._pools.get(guarded)
         if pool is None:
-            pool = openai.DefaultAsyncHttpxClient(transport=GuardedTransport()) if guarded else openai.DefaultAsyncHttpxClient()
+            pool = (
+                openai.DefaultAsyncHttpxClient(transport=GuardedTransport())
+                if guarded
+                else openai.DefaultAsyncHttpxClient()
+            )
             self._pools[guarded] = pool
-        client = openai.AsyncOpenAI(api_key=api_key, base_url=base_url, timeout=timeout, max_retries=retries,
-                                    http_client=pool)
+        client = openai.AsyncOpenAI(
+            api_key=api_key, base_url=base_url, timeout=timeout, max_retries=retries, http_client=pool
+        )
         self._clients[key] = client
         while len(self._clients) > CLIENTS_KEPT:
             self._clients.popitem(last=False)  # the pool is shared: nothing to close

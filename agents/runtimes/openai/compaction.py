@@ -18,6 +18,8 @@ SUMMARY_PROMPT = (
     "still matter and open questions. Write plain prose, at most a few paragraphs. Reply with the summary only."
 )
 SUMMARY_PREFIX = "Summary of the earlier conversation:\n"
+
+
 def prompt_size(turn: Turn, tools: list[dict]) -> int:
     """Measured from the provider's last report when there is one, estimated otherwise."""
     if turn.measured is not None:

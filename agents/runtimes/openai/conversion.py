@@ -90,11 +90,17 @@ class ChatBuilder:
 
     def _closing(self) -> list[dict]:
         """What answers the calls still open (placeholders) and carries the tools' images."""
-        closing = [{"role": "tool", "tool_call_id": call_id, "content": "No result was recorded for this call."}
-                   for call_id in self.open_calls]
+        closing = [
+            {"role": "tool", "tool_call_id": call_id, "content": "No result was recorded for this call."}
+            for call_id in self.open_calls
+        ]
         if self.tool_images:
-            closing.append({"role": "user", "content": [{"type": "text", "text": "Images returned by the tools:"},
-                                                        *self.tool_images]})
+            closing.append(
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Images returned by the tools:"}, *self.tool_images],
+                }
+            )
         return closing
 
     def _close_calls(self) -> None:
@@ -134,8 +140,11 @@ class ChatBuilder:
             blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
             text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
             calls = [
-                {"id": _call_id(b["toolCallId"]), "type": "function",
-                 "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}}
+                {
+                    "id": _call_id(b["toolCallId"]),
+                    "type": "function",
+                    "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})},
+                }
                 for b in blocks
                 if b.get("type") == "tool_use"
             ]

@@ -60,9 +60,10 @@ class OpenAIRuntime(Runtime):
             "summaryPrompt": {"type": "string"},
             "extraBody": {"type": "object", "description": "Extra JSON fields sent with every model call."},
             "allowedBaseUrls": {
-                "type": "array", "items": {"type": "string"},
+                "type": "array",
+                "items": {"type": "string"},
                 "description": "Base URLs an application may choose beyond public addresses (e.g. a model "
-                               "server on the private network); any other it chooses must be public.",
+                "server on the private network); any other it chooses must be public.",
             },
         },
         "additionalProperties": False,
@@ -103,7 +104,10 @@ class OpenAIRuntime(Runtime):
             guarded=application_chosen(ctx, base_url),
         )
         return Turn(
-            ctx=ctx, client=client, model=model, timeout=timeout,
+            ctx=ctx,
+            client=client,
+            model=model,
+            timeout=timeout,
             budget=int(config.get("contextBudget", DEFAULTS["contextBudget"])),
         )
 
@@ -256,10 +260,16 @@ class OpenAIRuntime(Runtime):
                 problems[call_id] = problem
             else:
                 valid.append(ToolCall(call_id, partial.name, arguments))
-            assistant_calls.append({
-                "id": call_id, "type": "function",
-                "function": {"name": partial.name or "unknown", "arguments": json.dumps(arguments) if not problem else "{}"},
-            })
+            assistant_calls.append(
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {
+                        "name": partial.name or "unknown",
+                        "arguments": json.dumps(arguments) if not problem else "{}",
+                    },
+                }
+            )
         # A call with unreadable arguments never reaches the application (no event, no
         # history): the model gets a tool result saying so inside this loop and may retry.
         outcomes = {}
@@ -279,5 +289,7 @@ class OpenAIRuntime(Runtime):
             if call_id in problems:
                 turn.chat.append({"role": "tool", "tool_call_id": call_id, "content": problems[call_id]})
             elif outcomes[call_id].resolved:
-                turn.chat.append({"role": "tool", "tool_call_id": call_id, "content": text_of(outcomes[call_id].content)})
+                turn.chat.append(
+                    {"role": "tool", "tool_call_id": call_id, "content": text_of(outcomes[call_id].content)}
+                )
         return any(not outcome.resolved for outcome in outcomes.values())

@@ -14,15 +14,26 @@ def _problem(exc: Exception, where: str, name: str, user: str) -> tuple[bool, st
     """(final, sentence): a final problem is not cured by waiting."""
     text = str(exc)
     if f'database "{name}" does not exist' in text:
-        return True, (f"PostgreSQL at {where} has no database '{name}': create it "
-                      f"(createdb -h {where.rsplit(':', 1)[0]} -p {where.rsplit(':', 1)[1]} -U {user} {name}) "
-                      "or fix DATABASE_URL.")
+        return True, (
+            f"PostgreSQL at {where} has no database '{name}': create it "
+            f"(createdb -h {where.rsplit(':', 1)[0]} -p {where.rsplit(':', 1)[1]} -U {user} {name}) "
+            "or fix DATABASE_URL."
+        )
     if "password authentication failed" in text or (f'role "{user}" does not exist' in text):
         return True, f"PostgreSQL at {where} refused user '{user}' (wrong user or password): fix DATABASE_URL."
     if "no pg_hba.conf entry" in text:
         return True, f"PostgreSQL at {where} does not accept connections from here for '{user}' (pg_hba.conf)."
-    reason = "connection refused" if "refused" in text.lower() else "no answer" if "timeout" in text.lower() else "unreachable"
-    return False, f"PostgreSQL at {where} cannot be reached ({reason}): start it, or fix the host and port in DATABASE_URL."
+    reason = (
+        "connection refused"
+        if "refused" in text.lower()
+        else "no answer"
+        if "timeout" in text.lower()
+        else "unreachable"
+    )
+    return (
+        False,
+        f"PostgreSQL at {where} cannot be reached ({reason}): start it, or fix the host and port in DATABASE_URL.",
+    )
 
 
 class Command(BaseCommand):
@@ -30,8 +41,12 @@ class Command(BaseCommand):
     requires_system_checks = []
 
     def add_arguments(self, parser):
-        parser.add_argument("--wait", type=float, default=0.0,
-                            help="keep trying this many seconds while the server is not up yet (e.g. in a container)")
+        parser.add_argument(
+            "--wait",
+            type=float,
+            default=0.0,
+            help="keep trying this many seconds while the server is not up yet (e.g. in a container)",
+        )
 
     def handle(self, *args, wait, **options):
         params = connection.settings_dict
@@ -47,8 +62,14 @@ class Command(BaseCommand):
         while True:
             try:
                 # Straight to the server (not the pool, which retries for DATABASE_POOL_TIMEOUT).
-                psycopg.connect(host=host, port=port, dbname=name, user=user, password=params.get("PASSWORD") or None,
-                                connect_timeout=5).close()
+                psycopg.connect(
+                    host=host,
+                    port=port,
+                    dbname=name,
+                    user=user,
+                    password=params.get("PASSWORD") or None,
+                    connect_timeout=5,
+                ).close()
             except psycopg.Error as exc:
                 final, sentence = _problem(exc, where, name, user)
                 if final or time.monotonic() >= deadline:
