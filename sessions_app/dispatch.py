@@ -6,7 +6,7 @@ workers have free slots (their heartbeats in PostgreSQL say how many turns each 
 once): the others wait in PostgreSQL, and whenever a slot frees (a turn ends, a worker
 starts or beats with a free thread, a turn is accepted with slots free) `dispatch_next`
 picks the next ones there, the tenant with the fewest turns in flight per unit of its
-weight first (turn_store.fair_order), and never more at once than the tenant's running-turns
+weight first (schedule_store.fair_order), and never more at once than the tenant's running-turns
 limit. So a tenant's single short turn waits for one slot to free, not behind another
 tenant's backlog, and a tenant whose limit is below the workers' slots leaves the rest free.
 
@@ -34,7 +34,7 @@ from django.utils import timezone
 
 from hosting.logs import log_context
 
-from . import events, turn_store
+from . import events, schedule_store
 from .services import execution
 
 logger = logging.getLogger(__name__)
@@ -90,12 +90,12 @@ def worker_stale_seconds() -> float:
 def capacity(counted: int | None = None) -> int:
     """How many turns the workers run at once: the threads of this process in the embedded
     mode, else the concurrency of every worker alive according to its heartbeat (`counted`:
-    already read with the turns, `turn_store.room_for`)."""
+    already read with the turns, `schedule_store.room_for`)."""
     if not settings.REDIS_URL:
         return settings.AAP_EMBEDDED_WORKERS
     if counted is not None:
         return counted
-    return turn_store.worker_slots(timezone.now() - timedelta(seconds=worker_stale_seconds()))
+    return schedule_store.worker_slots(timezone.now() - timedelta(seconds=worker_stale_seconds()))
 
 
 def _send(turn_id: str, node: str | None = None) -> bool:
@@ -142,7 +142,7 @@ def room_for(turn_id: str, tenant) -> Room:
     the later waits on the broker for the next thread, and the fair order holds from the next
     slot on."""
     since = timezone.now() - timedelta(seconds=worker_stale_seconds())
-    in_flight, waiting, tenant_in_flight, slots = turn_store.room_for(turn_id, tenant.pk, since)
+    in_flight, waiting, tenant_in_flight, slots = schedule_store.room_for(turn_id, tenant.pk, since)
     limit = getattr(tenant, "max_running_turns", None)
     if limit is None:
         limit = settings.AAP_TENANT_MAX_RUNNING_TURNS
@@ -162,7 +162,7 @@ def dispatch(turn_id: str, *, node: str | None = None, room: Room | None = None)
             return False
         return turn_id in dispatch_next()
     try:
-        turn_store.mark_dispatched([turn_id])
+        schedule_store.mark_dispatched([turn_id])
     except Exception as exc:
         logger.warning("turn %s stays queued: PostgreSQL is unreachable (%s)", turn_id, type(exc).__name__)
         return False
@@ -182,19 +182,19 @@ def dispatch_next() -> list[str]:
 
 def choose_next() -> list[str]:
     """Mark the waiting turns that take the free worker slots as dispatched; their ids."""
-    if not turn_store.any_waiting():
+    if not schedule_store.any_waiting():
         return []
     with transaction.atomic():
         if connection.vendor == "postgresql":
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_DISPATCH_LOCK])
         since = timezone.now() - timedelta(seconds=worker_stale_seconds())
-        in_flight, waiting, _, slots = turn_store.room_for("", 0, since)
+        in_flight, waiting, _, slots = schedule_store.room_for("", 0, since)
         free = capacity(slots) - in_flight
         if free <= 0 or not waiting:
             return []
-        order = turn_store.fair_order(free, settings.AAP_TENANT_MAX_RUNNING_TURNS)
-        return turn_store.mark_dispatched([turn_id for turn_id, may_start in order if may_start])
+        order = schedule_store.fair_order(free, settings.AAP_TENANT_MAX_RUNNING_TURNS)
+        return schedule_store.mark_dispatched([turn_id for turn_id, may_start in order if may_start])
 
 
 def queued_place(turn_id: str, room: Room | None = None) -> dict | None:
@@ -205,11 +205,11 @@ def queued_place(turn_id: str, room: Room | None = None) -> dict | None:
     if room is not None:
         in_flight, waiting, free = room.in_flight, room.waiting + 1, max(0, room.free)
     else:
-        in_flight, waiting = turn_store.slots_in_use()
+        in_flight, waiting = schedule_store.slots_in_use()
         if not waiting:
             return None
         free = max(0, capacity() - in_flight)
-    order = turn_store.fair_order(waiting, settings.AAP_TENANT_MAX_RUNNING_TURNS)
+    order = schedule_store.fair_order(waiting, settings.AAP_TENANT_MAX_RUNNING_TURNS)
     index = next((i for i, (waiting_id, _) in enumerate(order) if waiting_id == turn_id), None)
     if index is None:
         return None
@@ -229,7 +229,7 @@ def redispatch_if_lost(turn_id: str, created_at) -> bool:
     if not _grace_passed(created_at):
         return False  # its web process may still be handing it over
     try:
-        state = turn_store.waiting_since(turn_id)
+        state = schedule_store.waiting_since(turn_id)
     except Exception:
         return False
     if state is None or state[0] != "queued":
@@ -253,7 +253,7 @@ def dispatch_pending() -> int:
     cutoff = timezone.now() - timedelta(seconds=settings.AAP_TURN_DISPATCH_GRACE_SECONDS)
     backend = events.backend()
     sent = 0
-    for turn_id in turn_store.dispatched_turns(cutoff):
+    for turn_id in schedule_store.dispatched_turns(cutoff):
         if not backend.dispatched_sync(turn_id):
             logger.warning("turn %s was dispatched without a trace on the broker; dispatching it again", turn_id)
             sent += _send(turn_id)

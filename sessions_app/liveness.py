@@ -19,7 +19,7 @@ from collections.abc import Callable
 from django.conf import settings
 from django.db import connection
 
-from . import turn_store
+from . import schedule_store, turn_store
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def stop_serving() -> None:
         node, _worker = (_worker or (None, 0))[0], None
     if node:
         try:
-            turn_store.worker_gone(node)
+            schedule_store.worker_gone(node)
         except Exception:
             pass  # its heartbeat goes stale instead
         finally:
@@ -83,7 +83,7 @@ def _worker_round() -> None:
         worker, busy = _worker, len(_running)
     if worker is None:
         return
-    turn_store.worker_beat(*worker)
+    schedule_store.worker_beat(*worker)
     if busy < worker[1]:
         dispatch.dispatch_next()
 

@@ -38,10 +38,10 @@ def _turns(tenant, count: int, *, dispatched: bool = False, running: bool = Fals
 
 
 def _order(*groups: list[str]) -> list[str]:
-    from sessions_app import turn_store
+    from sessions_app import schedule_store
 
     mine = {turn_id for group in groups for turn_id in group}
-    return [turn_id for turn_id, _ in turn_store.fair_order(100_000, 0) if turn_id in mine]
+    return [turn_id for turn_id, _ in schedule_store.fair_order(100_000, 0) if turn_id in mine]
 
 
 def test_one_waiting_turn_of_a_tenant_goes_before_another_tenants_backlog():
@@ -72,26 +72,26 @@ def test_turns_in_flight_count_against_their_tenant():
 
 
 def test_a_turn_waiting_for_a_full_pool_knows_its_place(monkeypatch):
-    from sessions_app import dispatch, turn_store
+    from sessions_app import dispatch, schedule_store
 
     busy, quiet = _tenant(), _tenant()
     _turns(busy, 4, running=True)
     backlog = _turns(busy, 5)
     single = _turns(quiet, 1)
-    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: turn_store.slots_in_use()[0])  # every slot taken
+    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: schedule_store.slots_in_use()[0])  # every slot taken
     places = {turn_id: dispatch.queued_place(turn_id)["position"] for turn_id in backlog + single}
     assert places[single[0]] < min(places[t] for t in backlog)
     assert [places[t] for t in backlog] == sorted(places[t] for t in backlog)
     assert all(place >= 1 for place in places.values())
 
     # With a slot free for every waiting turn, none of them is queued.
-    waiting = turn_store.slots_in_use()[1]
-    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: turn_store.slots_in_use()[0] + waiting)
+    waiting = schedule_store.slots_in_use()[1]
+    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: schedule_store.slots_in_use()[0] + waiting)
     assert dispatch.queued_place(single[0]) is None
 
 
 def test_choosing_marks_turns_dispatched_fairly(monkeypatch):
-    from sessions_app import dispatch, turn_store
+    from sessions_app import dispatch, schedule_store
     from sessions_app.models import Turn
 
     busy, quiet = _tenant(), _tenant()
@@ -99,8 +99,8 @@ def test_choosing_marks_turns_dispatched_fairly(monkeypatch):
     backlog = _turns(busy, 3)
     single = _turns(quiet, 1)
     # One slot free beyond every other waiting turn in the database (each takes its own).
-    others = [t for t, _ in turn_store.fair_order(100_000, 0) if t not in backlog + single]
-    in_flight = turn_store.slots_in_use()[0]
+    others = [t for t, _ in schedule_store.fair_order(100_000, 0) if t not in backlog + single]
+    in_flight = schedule_store.slots_in_use()[0]
     monkeypatch.setattr(dispatch, "capacity", lambda counted=None: in_flight + len(others) + 1)
     chosen = dispatch.choose_next()
     assert single[0] in chosen and not set(backlog) & set(chosen)
@@ -141,7 +141,7 @@ def test_the_client_tells_waiting_from_running():
 
 
 def test_a_tenant_never_runs_more_turns_at_once_than_its_limit(settings):
-    from sessions_app import turn_store
+    from sessions_app import schedule_store
 
     settings.AAP_TENANT_MAX_RUNNING_TURNS = 0
     capped, free = _tenant(), _tenant()
@@ -150,7 +150,7 @@ def test_a_tenant_never_runs_more_turns_at_once_than_its_limit(settings):
     _turns(capped, 2, running=True)
     capped_turns = _turns(capped, 3)
     free_turns = _turns(free, 2)
-    order = [(t, ok) for t, ok in turn_store.fair_order(100_000, 0) if t in capped_turns + free_turns]
+    order = [(t, ok) for t, ok in schedule_store.fair_order(100_000, 0) if t in capped_turns + free_turns]
     assert order == [
         (free_turns[0], True),
         (free_turns[1], True),
@@ -159,5 +159,5 @@ def test_a_tenant_never_runs_more_turns_at_once_than_its_limit(settings):
         (capped_turns[2], False),
     ]
     # The service's default applies to a tenant that sets no limit of its own.
-    free_first = [(t, ok) for t, ok in turn_store.fair_order(100_000, 1) if t in free_turns]
+    free_first = [(t, ok) for t, ok in schedule_store.fair_order(100_000, 1) if t in free_turns]
     assert free_first == [(free_turns[0], True), (free_turns[1], False)]
