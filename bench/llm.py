@@ -9,6 +9,9 @@ each token's text the time it was sent, so every token's lateness is measured en
 12  a conversation: create a session, a turn that calls a trusted tool, an answer turn
 
 Each reports the CPU per operation of every process of the stack (bench/cpu.py).
+
+Longer than ~400 lines on purpose: four scenarios that share one fixture (the fake model,
+the sessions, the CPU readings) read best side by side, one method each.
 """
 
 from __future__ import annotations
