@@ -280,3 +280,13 @@ def test_frozen_worker_declared_lost_keeps_its_real_answer(chaos):
     assert full == user("/slow 20 300") + ticks(20) + user("awake") + [
         {"role": "assistant", "content": [{"type": "text", "text": "echo: awake"}]}
     ]
+
+
+def test_a_saturating_tenant_leaves_the_next_free_slot_on_either_worker_to_another(chaos, tmp_path):
+    """The noisy neighbour on two workers: tenant A keeps all 8 threads of workers a and b
+    busy with a backlog; tenant B's short turns each wait at most for one of A's turns to end,
+    whichever worker frees first; A's excess is refused with 429, nothing fails."""
+    from tests.e2e.test_fairness import noisy_neighbour
+
+    chaos.ensure_up()
+    noisy_neighbour(chaos, tmp_path, 2 * chaos.WORKER_THREADS)
