@@ -58,14 +58,20 @@ def model():
         yield server
 
 
-def run_session(runtime: OpenAIRuntime, model: FakeOpenAI, session: str, turns: int, *, system: str = "") -> dict:
-    """`turns` turns in one session; returns {turn number: (messages converted, request sent)}."""
+def run_session(
+    runtime: OpenAIRuntime, model: FakeOpenAI, session: str, turns: int, *, system: str = "", first: int = 1
+) -> dict:
+    """Turns `first` to `turns` of one session (the history of the turns before `first` as if
+    they had run elsewhere); returns {turn number: (messages converted, request sent)}."""
     history: list[dict] = []
+    for number in range(1, first):
+        history.append({"role": "user", "content": f"question {number}"})
+        history.append({"role": "assistant", "content": [{"type": "text", "text": f"answer {number}"}]})
     config = {"systemPrompt": system} if system else {}
     seen = {}
 
     async def go():
-        for number in range(1, turns + 1):
+        for number in range(first, turns + 1):
             history.append({"role": "user", "content": f"question {number}"})
             ctx = Ctx(session, list(history), config, {"model": "m", "apiKey": "k", "baseUrl": model.url})
             assert await runtime.run(ctx) == "end_turn"
@@ -80,9 +86,14 @@ def run_session(runtime: OpenAIRuntime, model: FakeOpenAI, session: str, turns: 
 
 def test_turn_1000_converts_what_turn_10_converts_and_sends_the_whole_history(model):
     runtime = OpenAIRuntime()
-    seen, history = run_session(runtime, model, "s-long", 1000, system="Be brief.")
-    assert seen[1][0] == 1
-    assert seen[10][0] == seen[1000][0] == 2  # the last answer and the new question
+    short, _ = run_session(runtime, model, "s-short", 10, system="Be brief.")
+    assert short[1][0] == 1
+    assert short[10][0] == 2  # the last answer and the new question
+    # Turns 998-1,000 of a long session: the first of them, new to this process, converts
+    # the whole history; each later one only what it gained, like turn 10.
+    seen, history = run_session(runtime, model, "s-long", 1000, system="Be brief.", first=998)
+    assert seen[998][0] == 1 + 2 * 997
+    assert seen[999][0] == seen[1000][0] == 2
     ctx = Ctx("other", history[:-1], {"systemPrompt": "Be brief."}, {})
     assert seen[1000][1] == to_chat(ctx, history[:-1])  # what a full conversion gives
     assert len(seen[1000][1]) == 1 + 1999
