@@ -260,6 +260,8 @@ AAP_TURN_DISPATCH_GRACE_SECONDS = env_float("AAP_TURN_DISPATCH_GRACE_SECONDS", 5
 AAP_STREAM_RETRY_SECONDS = env_float("AAP_STREAM_RETRY_SECONDS", 30.0)
 # How long a worker retries its claim or finish of a turn while PostgreSQL is unreachable.
 AAP_DB_RETRY_SECONDS = env_float("AAP_DB_RETRY_SECONDS", 60.0)
+# A pooled connection idle this long is checked before use (hosting/postgres).
+AAP_DB_CHECK_IDLE_SECONDS = env_float("AAP_DB_CHECK_IDLE_SECONDS", 1.0)
 # How long an Idempotency-Key is remembered.
 AAP_IDEMPOTENCY_SECONDS = env_int("AAP_IDEMPOTENCY_SECONDS", 24 * 3600)
 # Threads of the web process that run turns in the embedded mode (no REDIS_URL).

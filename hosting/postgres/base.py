@@ -12,13 +12,10 @@ answer 503 with Retry-After (hosting/errors.py) and workers retry their database
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 
 from django.db.backends.postgresql import base
-
-IDLE_SECONDS = float(os.environ.get("AAP_DB_CHECK_IDLE_SECONDS", "1.0"))
 
 _returned_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -28,10 +25,16 @@ def returned(conn) -> None:
     _returned_at[conn] = time.monotonic()
 
 
+def idle_seconds() -> float:
+    from django.conf import settings
+
+    return settings.AAP_DB_CHECK_IDLE_SECONDS
+
+
 def check(conn) -> None:
     """psycopg_pool `check` hook: raises when a connection that sat idle is dead."""
     last = _returned_at.get(conn)
-    if last is not None and time.monotonic() - last < IDLE_SECONDS:
+    if last is not None and time.monotonic() - last < idle_seconds():
         return
     from psycopg_pool import ConnectionPool
 

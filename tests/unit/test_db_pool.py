@@ -11,6 +11,14 @@ class Conn:
     """Stands for a psycopg connection (weak-referenceable, hashable)."""
 
 
+IDLE = 1.0
+
+
+@pytest.fixture(autouse=True)
+def idle(monkeypatch):
+    monkeypatch.setattr(base, "idle_seconds", lambda: IDLE)
+
+
 @pytest.fixture
 def checks(monkeypatch):
     calls: list = []
@@ -30,7 +38,7 @@ def test_a_connection_returned_moments_ago_is_not_checked(checks, monkeypatch):
     conn = Conn()
     monkeypatch.setattr(base.time, "monotonic", lambda: 100.0)
     base.returned(conn)
-    monkeypatch.setattr(base.time, "monotonic", lambda: 100.0 + base.IDLE_SECONDS / 2)
+    monkeypatch.setattr(base.time, "monotonic", lambda: 100.0 + IDLE / 2)
     base.check(conn)
     assert checks == []
 
@@ -41,7 +49,7 @@ def test_a_connection_idle_for_a_while_is_checked_and_a_dead_one_raises(monkeypa
     conn = Conn()
     monkeypatch.setattr(base.time, "monotonic", lambda: 100.0)
     base.returned(conn)
-    monkeypatch.setattr(base.time, "monotonic", lambda: 100.0 + base.IDLE_SECONDS + 0.1)
+    monkeypatch.setattr(base.time, "monotonic", lambda: 100.0 + IDLE + 0.1)
 
     def dead(c):
         raise OSError("server closed the connection")
