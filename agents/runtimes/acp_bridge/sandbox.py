@@ -10,6 +10,9 @@ count, memory, workspace disk use) and stops it when it goes past a limit.
 
 Where the kernel lacks what the sandbox needs, `missing()` names it and the agent refuses
 to start, unless the operator set `unsafeWithoutSandbox` for that agent.
+
+A little over ~400 lines on purpose: the policy is one security boundary, and its parts (the
+unit's uid, its paths, its environment) are reviewed together.
 """
 
 from __future__ import annotations
