@@ -94,8 +94,11 @@ class GuardedTransport(httpx.AsyncBaseTransport):
     carries a request for another name that resolves to the same address.
     """
 
-    def __init__(self, *, allow_private: bool = False, **transport_options):
+    def __init__(self, *, allow_private: bool = False, http=httpx, **transport_options):
+        # `http`: the httpx package of the client this transport serves (the openai SDK ships
+        # its own fork, httpx2): the pools must take that package's requests.
         self.allow_private = allow_private
+        self._http = http
         self._options = {"trust_env": False, **transport_options}
         self._pools: dict[tuple[str, str, int], httpx.AsyncHTTPTransport] = {}
 
@@ -108,7 +111,7 @@ class GuardedTransport(httpx.AsyncBaseTransport):
         key = (url.scheme, url.host, port)
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = httpx.AsyncHTTPTransport(**self._options)
+            pool = self._pools[key] = self._http.AsyncHTTPTransport(**self._options)
         # The Host header was set from the name when the request was built; only the socket moves.
         request.url = url.copy_with(host=address)
         if url.scheme == "https":

@@ -135,3 +135,23 @@ def test_one_sdk_client_per_endpoint_per_process(model):
         return made
 
     assert len(asyncio.run(go())) == 1
+
+
+def test_the_guarded_transport_carries_the_sdks_own_requests(model):
+    """The openai SDK builds its clients on its own httpx package (a fork in recent releases):
+    the network guard's connection pools must take that package's requests, or every model
+    call to an application-chosen endpoint fails inside the transport."""
+    import openai
+
+    from agents.netguard import GuardedTransport
+    from agents.runtimes.openai.client import sdk_http
+
+    async def go():
+        # allow_private: the fake model is on loopback; the pools are the same as for a public address
+        http = openai.DefaultAsyncHttpxClient(transport=GuardedTransport(allow_private=True, http=sdk_http()))
+        client = openai.AsyncOpenAI(api_key="k", base_url=model.url, http_client=http, max_retries=0)
+        models = await client.models.list()
+        await http.aclose()
+        return [m.id for m in models.data]
+
+    assert asyncio.run(go())

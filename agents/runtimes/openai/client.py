@@ -4,6 +4,7 @@ call, the network guard for application-chosen endpoints, and safe error sentenc
 from __future__ import annotations
 
 import asyncio
+import importlib
 from collections import OrderedDict
 
 import httpx
@@ -56,6 +57,11 @@ def safe_error(exc: BaseException, timeout: float) -> str:
     return "The model client could not be set up; check the agent's options."
 
 
+def sdk_http():
+    """The httpx package the openai SDK builds its clients on (its own fork in recent releases)."""
+    return importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
+
+
 class Clients:
     """The process's model clients, on the loop runtimes run on.
 
@@ -84,7 +90,7 @@ class Clients:
         pool = self._pools.get(guarded)
         if pool is None:
             pool = (
-                openai.DefaultAsyncHttpxClient(transport=GuardedTransport())
+                openai.DefaultAsyncHttpxClient(transport=GuardedTransport(http=sdk_http()))
                 if guarded
                 else openai.DefaultAsyncHttpxClient()
             )
