@@ -182,16 +182,7 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
             stop_meta={**outcome.stop_meta, "error": sentence},
         )
     with transaction.atomic():
-        ended = turn_store.end_turn(
-            turn_id,
-            stop_reason=outcome.stop_reason,
-            cancelled=outcome.cancelled,
-            error=outcome.error[:500],
-            prompt_tokens=outcome.prompt_tokens,
-            completion_tokens=outcome.completion_tokens,
-            model_calls=outcome.model_calls,
-            produced=bool(outcome.messages),
-        )
+        ended = _end_turn(turn_id, outcome)
         reclaimed = not ended and _reclaim_declared_lost(turn_id, session_pk, outcome)
         if not ended and not reclaimed:
             # Deleted with its session, or this is a retry whose first commit went through
@@ -218,6 +209,20 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
         transaction.on_commit(lambda: publish_stop(turn_id, outcome.stop_reason, meta, seq=outcome.last_seq + 1))
 
 
+def _end_turn(turn_id: str, outcome: host.TurnOutcome) -> bool:
+    """running -> done with the outcome's stop reason, error and usage (turn_store.end_turn)."""
+    return turn_store.end_turn(
+        turn_id,
+        stop_reason=outcome.stop_reason,
+        cancelled=outcome.cancelled,
+        error=outcome.error[:500],
+        prompt_tokens=outcome.prompt_tokens,
+        completion_tokens=outcome.completion_tokens,
+        model_calls=outcome.model_calls,
+        produced=bool(outcome.messages),
+    )
+
+
 def _reclaim_declared_lost(turn_id: str, session_pk: int, outcome: host.TurnOutcome) -> bool:
     """A worker finished a turn that was declared lost meanwhile (it was frozen longer than
     the lease): its real result wins. When nothing was written to the session since, what
@@ -239,13 +244,4 @@ def _reclaim_declared_lost(turn_id: str, session_pk: int, outcome: host.TurnOutc
         status=Turn.RUNNING, stop_reason="", error="", finished_at=None, output_seq=0
     )
     logger.warning("turn %s finished after it was declared lost; its real result replaces the recovered one", turn_id)
-    return turn_store.end_turn(
-        turn_id,
-        stop_reason=outcome.stop_reason,
-        cancelled=outcome.cancelled,
-        error=outcome.error[:500],
-        prompt_tokens=outcome.prompt_tokens,
-        completion_tokens=outcome.completion_tokens,
-        model_calls=outcome.model_calls,
-        produced=bool(outcome.messages),
-    )
+    return _end_turn(turn_id, outcome)
