@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from tests.support import free_port, wait_for_health
+from tests.support import free_port, wait_for_health, worker_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -194,25 +194,7 @@ class BenchStack:
             self.workers.append(
                 self._spawn(
                     name,
-                    [
-                        str(BIN / "celery"),
-                        "-A",
-                        "hosting",
-                        "worker",
-                        "--pool",
-                        "threads",
-                        "--concurrency",
-                        str(concurrency),
-                        "-Q",
-                        "aap-turns",
-                        "--loglevel",
-                        "INFO",
-                        "-n",
-                        f"bench{index}-{time.time_ns()}@%h",
-                        "--without-gossip",
-                        "--without-mingle",
-                        "--without-heartbeat",
-                    ],
+                    worker_argv(f"bench{index}-{time.time_ns()}", concurrency),
                 )
             )
         if wait:

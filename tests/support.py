@@ -85,6 +85,15 @@ def llm_agent(
     }
 
 
+def worker_argv(node: str, threads: int) -> list[str]:
+    """A Celery worker of the turn queue on a pool of `threads` threads, named `node`@host."""
+    return [
+        str(BIN / "celery"), "-A", "hosting", "worker", "--pool", "threads", "--concurrency", str(threads),
+        "-Q", "aap-turns", "--loglevel", "INFO", "-n", f"{node}@%h",
+        "--without-gossip", "--without-mingle", "--without-heartbeat",
+    ]  # fmt: skip
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -352,28 +361,7 @@ class Stack:
     def spawn_worker(self, label: str, threads: int, timeout: float = 60.0) -> subprocess.Popen:
         """A Celery worker process on the turn queue, once it said it is ready."""
         node = f"{self.name}-{label}-{time.time_ns()}"
-        proc = self._spawn(
-            label,
-            [
-                str(BIN / "celery"),
-                "-A",
-                "hosting",
-                "worker",
-                "--pool",
-                "threads",
-                "--concurrency",
-                str(threads),
-                "-Q",
-                "aap-turns",
-                "--loglevel",
-                "INFO",
-                "-n",
-                f"{node}@%h",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-            ],
-        )
+        proc = self._spawn(label, worker_argv(node, threads))
         log_path = self.log_dir / f"{self.name}-{label}.log"
         deadline = time.monotonic() + timeout
         # A log may be shared by restarted workers: wait for this node's own "ready." line.
