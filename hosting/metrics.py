@@ -100,7 +100,7 @@ TURN_DURATION = Histogram(
     buckets=TURN_BUCKETS,
 )
 QUEUE_WAIT = Histogram(
-    "aap_turn_queue_wait_seconds", "From handing a turn to the queue to a worker starting it.", buckets=TURN_BUCKETS
+    "aap_turn_queue_wait_seconds", "From accepting a turn to a worker starting it.", buckets=TURN_BUCKETS
 )
 FIRST_EVENT = Histogram(
     "aap_turn_first_event_seconds",
@@ -186,30 +186,17 @@ async def relayed(body, *, mode: str, after: int):
         await body.aclose()  # the caller closes this wrapper; the turn's follower must close too
 
 
-# --- the queue: wait time (Celery headers) and depth (at scrape time) -------------------------
-
-_ENQUEUED_AT = "aap_enqueued_at"
-RUN_TURN = "sessions_app.tasks.run_turn"  # other tasks (the periodic sweep) are not turns
+# --- the queue: wait time (at a turn's claim) and depth (at scrape time) ---------------------
 
 
-def _stamp_enqueue(sender=None, headers=None, **kwargs) -> None:
-    if headers is not None and sender == RUN_TURN:
-        headers[_ENQUEUED_AT] = time.time()
-
-
-def _observe_wait(task=None, **kwargs) -> None:
-    if getattr(task, "name", None) != RUN_TURN:
-        return
-    stamp = getattr(getattr(task, "request", None), _ENQUEUED_AT, None)
-    if isinstance(stamp, (int, float)):
-        QUEUE_WAIT.observe(max(0.0, time.time() - stamp))
+def turn_claimed(waited_seconds: float) -> None:
+    """A worker starts a turn accepted `waited_seconds` ago (in PostgreSQL, on the broker, or both)."""
+    QUEUE_WAIT.observe(max(0.0, waited_seconds))
 
 
 def _connect_celery_signals() -> None:
-    from celery.signals import before_task_publish, task_prerun, worker_ready
+    from celery.signals import worker_ready
 
-    before_task_publish.connect(_stamp_enqueue, weak=False)
-    task_prerun.connect(_observe_wait, weak=False)
     worker_ready.connect(lambda **kw: start_serving(), weak=False)
 
 

@@ -12,6 +12,7 @@ explicitly, since a coroutine handed to another thread's loop does not inherit i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -64,6 +65,22 @@ def _tracer():
     from opentelemetry import trace
 
     return trace.get_tracer("aap-hosting")
+
+
+@contextlib.contextmanager
+def new_trace():
+    """What runs inside starts a trace of its own (not a child of the calling thread's span):
+    a turn a worker thread runs after another one, without a task message of its own."""
+    if not enabled():
+        yield
+        return
+    from opentelemetry import context
+
+    token = context.attach(context.Context())
+    try:
+        yield
+    finally:
+        context.detach(token)
 
 
 def carry(plan, coro):

@@ -5,7 +5,8 @@ A turn is committed `queued` first. The broker only ever holds about as many tur
 workers have free slots (their heartbeats in PostgreSQL say how many turns each runs at
 once): the others wait in PostgreSQL, and whenever a slot frees (a turn ends, a worker
 starts or beats with a free thread, a turn is accepted with slots free) `dispatch_next`
-picks the next ones there, the tenant with the fewest turns in flight per unit of its
+picks the next ones there (when a turn ends, its worker thread runs the first of them
+itself: `run_turns`), the tenant with the fewest turns in flight per unit of its
 weight first (schedule_store.fair_order), and never more at once than the tenant's running-turns
 limit. So a tenant's single short turn waits for one slot to free, not behind another
 tenant's backlog, and a tenant whose limit is below the workers' slots leaves the rest free.
@@ -21,7 +22,9 @@ its session. A second delivery is harmless: a worker claims a turn once
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
@@ -32,9 +35,10 @@ from django.conf import settings
 from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 
+from hosting import tracing
 from hosting.logs import log_context
 
-from . import events, schedule_store
+from . import events, liveness, schedule_store
 from .services import execution
 
 logger = logging.getLogger(__name__)
@@ -58,13 +62,70 @@ def _embedded_pool() -> ThreadPoolExecutor:
 def _run_embedded(turn_id: str) -> None:
     close_old_connections()
     try:
-        with log_context(turn=turn_id):
-            try:
-                execution.turn_execute(turn_id)
-            finally:
-                dispatch_next()  # this slot is free: the next waiting turn, chosen fairly
+        run_turns(turn_id)
     finally:
         close_old_connections()
+
+
+def _chain_seconds() -> float:
+    """How long one worker thread keeps taking the next waiting turn itself. Its first turn's
+    task message is acknowledged when it stops (late ack), and the broker hands an
+    unacknowledged message out again after AAP_QUEUE_VISIBILITY_SECONDS (harmless, a turn is
+    claimed once, but wasted): the chain stops well before."""
+    return settings.AAP_QUEUE_VISIBILITY_SECONDS / 3
+
+
+def run_turns(turn_id: str) -> None:
+    """Run a turn on this thread (a Celery task's, or the embedded pool's), then, while turns
+    wait for a worker slot, the one the fair order gives the slot it freed: the thread runs it
+    itself, without a broker round trip (a message published, consumed and acknowledged, a
+    Redis mark set and cleared) for every turn at saturation. Any further free slots are filled
+    through the broker as before.
+
+    The chain stops when nothing waits, when this worker is shutting down (a warm shutdown
+    takes no new turn: the waiting ones stay in PostgreSQL for the other workers), and after
+    _chain_seconds (the next one then goes through the broker). A turn taken here is marked
+    dispatched in PostgreSQL before it is claimed: if the process dies in between, the periodic
+    sweep finds it dispatched without a trace on the broker and dispatches it again."""
+    deadline = time.monotonic() + _chain_seconds()
+    marked = True
+    while True:
+        with log_context(turn=turn_id), tracing.new_trace() if not marked else nullcontext():
+            try:
+                execution.turn_execute(turn_id, marked=marked)
+            except BaseException:
+                dispatch_next()  # this slot is free: the next waiting turn, through the broker
+                raise
+        if time.monotonic() > deadline or not _takes_turns():
+            dispatch_next()
+            return
+        following = take_next()
+        if following is None:
+            return
+        turn_id, marked = following, False
+
+
+def _takes_turns() -> bool:
+    """This process still takes new turns: the embedded mode's pool, or a Celery worker
+    that is not shutting down."""
+    return not settings.REDIS_URL or liveness.serving()
+
+
+def take_next() -> str | None:
+    """For a worker thread whose turn just ended: the waiting turn that takes its slot, chosen
+    fairly and marked dispatched (the thread runs it itself); other free slots are filled
+    through the broker. None when nothing waits (or PostgreSQL is unreachable: the waiting
+    turns stay queued for the next chance). Never raises."""
+    try:
+        chosen = choose_next()
+    except Exception as exc:
+        logger.warning("waiting turns could not be dispatched now (%s)", type(exc).__name__)
+        return None
+    if not chosen:
+        return None
+    for other in chosen[1:]:
+        _send(other)
+    return chosen[0]
 
 
 def enqueue_turn(turn_id: str, *, node: str | None = None) -> None:

@@ -62,6 +62,11 @@ def serve_as_worker(node: str, concurrency: int) -> None:
         connection.close()
 
 
+def serving() -> bool:
+    """This process is a Celery worker that takes turns (not shutting down)."""
+    return _worker is not None
+
+
 def stop_serving() -> None:
     """The worker is shutting down: its slots no longer count (running turns still beat)."""
     global _worker

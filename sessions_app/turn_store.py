@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from django.db import connection
 from django.utils import timezone
@@ -42,6 +42,13 @@ def _json_param(model, field: str, value):
 
 def _json(text):
     return None if text is None else json.loads(text) if isinstance(text, str) else text
+
+
+def _datetime(value) -> datetime:
+    """A timestamp read by raw SQL: a datetime from PostgreSQL, text (UTC) from SQLite."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return value if timezone.is_aware(value) else timezone.make_aware(value, UTC)
 
 
 def _for_update() -> str:
@@ -205,18 +212,23 @@ class ClaimedTurn:
     session_pk: int
     stream: str
     permissions: list
+    waited: float = 0.0  # seconds from its acceptance to this claim
 
 
 def claim_turn(turn_id: str) -> ClaimedTurn | None:
     """queued -> running, at most once: a second delivery of the task gets None."""
+    started = timezone.now()
+    now = connection.ops.adapt_datetimefield_value(started)
     with connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s WHERE id = %s AND status = %s "
-            f"RETURNING session_id, stream, permissions",
-            [Turn.RUNNING, _now(), _now(), turn_id, Turn.QUEUED],
+            f"RETURNING session_id, stream, permissions, created_at",
+            [Turn.RUNNING, now, now, turn_id, Turn.QUEUED],
         )
         row = cursor.fetchone()
-    return ClaimedTurn(row[0], row[1], _json(row[2]) or []) if row else None
+    if row is None:
+        return None
+    return ClaimedTurn(row[0], row[1], _json(row[2]) or [], (started - _datetime(row[3])).total_seconds())
 
 
 def end_turn(

@@ -12,6 +12,7 @@ from django.db import InterfaceError, OperationalError, connection, transaction
 
 from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
 from agents.selectors import AgentDefinition, agent_definition, server_tool_specs
+from hosting import metrics
 from hosting.logs import bind_log_context, describe_failure
 
 from .. import events, host, liveness, turn_store
@@ -99,8 +100,10 @@ def _output_json(turn_id: str) -> str | None:
     return dumps(shaped) if shaped else None
 
 
-def turn_execute(turn_id: str) -> None:
-    """Run a queued turn to its end and persist it. Safe to call twice (the second is a no-op)."""
+def turn_execute(turn_id: str, *, marked: bool = True) -> None:
+    """Run a queued turn to its end and persist it. Safe to call twice (the second is a no-op).
+    `marked`: it came through the broker, with a dispatch mark in Redis to clear once claimed
+    (a turn a worker thread took for itself, sessions_app.dispatch.run_turns, has none)."""
     backend = events.backend()
     try:
         backend.set_lease_sync(turn_id)  # the Redis lease backs up the PostgreSQL heartbeat
@@ -117,18 +120,20 @@ def turn_execute(turn_id: str) -> None:
         raise
     if claimed is None:
         return
+    metrics.turn_claimed(claimed.waited)
     liveness.track(turn_id, None if claimed.stream == "delta" else lambda: _output_json(turn_id))
     try:
-        _execute_claimed(turn_id, claimed)
+        _execute_claimed(turn_id, claimed, marked)
     finally:
         liveness.untrack(turn_id)
 
 
-def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn) -> None:
-    try:
-        events.backend().clear_dispatched_sync(turn_id)
-    except Exception:
-        pass  # the mark expires by itself
+def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn, marked: bool) -> None:
+    if marked:
+        try:
+            events.backend().clear_dispatched_sync(turn_id)
+        except Exception:
+            pass  # the mark expires by itself
     session = _with_db_retry(turn_store.session_for_turn, claimed.session_pk)
     if session is None:
         return
