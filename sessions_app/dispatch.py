@@ -38,7 +38,7 @@ from django.utils import timezone
 from hosting import tracing
 from hosting.logs import log_context
 
-from . import events, liveness, schedule_store
+from . import events, liveness, schedule_store, turn_store
 from .services import execution
 
 logger = logging.getLogger(__name__)
@@ -77,32 +77,35 @@ def _chain_seconds() -> float:
 
 def run_turns(turn_id: str) -> None:
     """Run a turn on this thread (a Celery task's, or the embedded pool's), then, while turns
-    wait for a worker slot, the one the fair order gives the slot it freed: the thread runs it
-    itself, without a broker round trip (a message published, consumed and acknowledged, a
-    Redis mark set and cleared) for every turn at saturation. Any further free slots are filled
-    through the broker as before.
+    wait for a worker slot, the one the fair order gives the slot it freed: the thread claims
+    and runs it itself. At saturation that is two statements per turn (the fair order's first,
+    its claim) instead of the chooser's transaction, a broker message published, consumed and
+    acknowledged, and a Redis mark set and cleared. Whether others wait comes with the
+    statement that ends the turn, so below saturation a turn's end costs nothing more.
 
     The chain stops when nothing waits, when this worker is shutting down (a warm shutdown
     takes no new turn: the waiting ones stay in PostgreSQL for the other workers), and after
-    _chain_seconds (the next one then goes through the broker). A turn taken here is marked
-    dispatched in PostgreSQL before it is claimed: if the process dies in between, the periodic
-    sweep finds it dispatched without a trace on the broker and dispatches it again."""
+    _chain_seconds (the next one then goes through the broker). A turn is claimed here by the
+    same conditional UPDATE as from the broker, so it runs once; if this process dies while it
+    runs, its heartbeat stops and it is recovered like any other running turn."""
     deadline = time.monotonic() + _chain_seconds()
-    marked = True
+    claimed: turn_store.ClaimedTurn | None = None
     while True:
-        with log_context(turn=turn_id), tracing.new_trace() if not marked else nullcontext():
+        with log_context(turn=turn_id), tracing.new_trace() if claimed else nullcontext():
             try:
-                execution.turn_execute(turn_id, marked=marked)
+                others_waiting = execution.turn_execute(turn_id, claimed=claimed)
             except BaseException:
                 dispatch_next()  # this slot is free: the next waiting turn, through the broker
                 raise
+        if not others_waiting:
+            return
         if time.monotonic() > deadline or not _takes_turns():
             dispatch_next()
             return
         following = take_next()
         if following is None:
             return
-        turn_id, marked = following, False
+        turn_id, claimed = following
 
 
 def _takes_turns() -> bool:
@@ -111,21 +114,39 @@ def _takes_turns() -> bool:
     return not settings.REDIS_URL or liveness.serving()
 
 
-def take_next() -> str | None:
-    """For a worker thread whose turn just ended: the waiting turn that takes its slot, chosen
-    fairly and marked dispatched (the thread runs it itself); other free slots are filled
-    through the broker. None when nothing waits (or PostgreSQL is unreachable: the waiting
-    turns stay queued for the next chance). Never raises."""
+# The first turns of the fair order a thread reads at once: threads ending together each
+# claim one of them instead of reading the order again after losing a race.
+_PICKS = 4
+
+
+def take_next() -> tuple[str, turn_store.ClaimedTurn] | None:
+    """For a worker thread whose turn just ended: claim the waiting turn the fair order gives
+    its slot. None when nothing may start (nothing waits, every waiting turn's tenant runs
+    all it may, or the slot was given to a turn sent through the broker), or PostgreSQL is unreachable (the waiting turns stay queued for the next
+    chance). Threads ending together read the same order: each claims the first of it no
+    other thread holds (turn_store.claim_first). Never raises."""
     try:
-        chosen = choose_next()
+        since = timezone.now() - timedelta(seconds=worker_stale_seconds())
+        order, in_flight, slots = schedule_store.fair_order_with_room(
+            _PICKS, settings.AAP_TENANT_MAX_RUNNING_TURNS, since
+        )
+        if in_flight >= capacity(slots):
+            # The slot this thread freed went to a turn sent through the broker meanwhile
+            # (the chooser saw it free): the thread goes back to the broker, which has it.
+            return None
+        candidates = [turn_id for turn_id, may_start in order if may_start]
+        if not candidates:
+            return None
+        taken = turn_store.claim_first(candidates)
+        if taken is not None:
+            return taken
+        if len(order) < _PICKS:
+            return None  # every waiting turn was taken meanwhile
     except Exception as exc:
         logger.warning("waiting turns could not be dispatched now (%s)", type(exc).__name__)
         return None
-    if not chosen:
-        return None
-    for other in chosen[1:]:
-        _send(other)
-    return chosen[0]
+    dispatch_next()  # contended: the chooser's lock settles it
+    return None
 
 
 def enqueue_turn(turn_id: str, *, node: str | None = None) -> None:
@@ -213,13 +234,17 @@ def room_for(turn_id: str, tenant) -> Room:
 def dispatch(turn_id: str, *, node: str | None = None, room: Room | None = None) -> bool:
     """Hand a just-accepted turn over: one pinned to a worker (`node`) goes to it at once,
     as does one stored with a free slot (`room.takes_slot`); any other takes its place among
-    the turns waiting for a free slot. When every slot was taken and other turns were
-    already waiting as it was stored, the next turn to end chooses among them (and this one
-    once committed): the chooser is not run for nothing on each turn accepted at saturation."""
+    the turns waiting for a free slot. When every slot was taken as it was stored, the
+    next turn to end chooses among the waiting ones (this one included, once committed):
+    the chooser is not run for nothing on each turn accepted at saturation."""
     if room is not None and room.takes_slot:
         return _send(turn_id)
     if node is None:
-        if room is not None and room.free <= 0 and room.waiting:
+        if room is not None and room.free <= 0:
+            # Every slot taken: the next turn to end takes this one or one before it (its
+            # end says whether turns wait, turn_store.end_turn, and its thread claims the
+            # first of them). A turn ending as this one was stored (neither saw the other)
+            # leaves its slot to the worker's next heartbeat round (liveness), which fills it.
             return False
         return turn_id in dispatch_next()
     try:

@@ -63,6 +63,20 @@ def slots_in_use() -> tuple[int, int]:
     return int(in_flight), int(waiting)
 
 
+_FAIR_ORDER = (
+    f"WITH inflight AS (SELECT s.tenant_id AS tenant_id, COUNT(*) AS n FROM {T} t "
+    f"JOIN {S} s ON s.id = t.session_id WHERE {_IN_FLIGHT} GROUP BY s.tenant_id), "
+    f"waiting AS (SELECT t.id AS id, t.created_at AS created_at, s.tenant_id AS tenant_id, "
+    f"ROW_NUMBER() OVER (PARTITION BY s.tenant_id ORDER BY t.created_at, t.id) AS n "
+    f"FROM {T} t JOIN {S} s ON s.id = t.session_id WHERE {_WAITING}), "
+    f"ranked AS (SELECT w.id AS id, w.created_at AS created_at, "
+    f"(COALESCE(i.n, 0) + w.n) * 1.0 / tn.weight AS share, "
+    f"CASE WHEN COALESCE(tn.max_running_turns, %s) = 0 "
+    f"OR COALESCE(i.n, 0) + w.n <= COALESCE(tn.max_running_turns, %s) THEN 1 ELSE 0 END AS may_start "
+    f"FROM waiting w JOIN {TENANT} tn ON tn.id = w.tenant_id LEFT JOIN inflight i ON i.tenant_id = w.tenant_id) "
+)
+
+
 def fair_order(limit: int, default_max_running: int) -> list[tuple[str, bool]]:
     """Waiting turns in the order free worker slots should take them, each with whether it
     may take one now. A tenant's n-th waiting turn would make it run (its turns in flight + n)
@@ -72,20 +86,33 @@ def fair_order(limit: int, default_max_running: int) -> list[tuple[str, bool]]:
     those come last."""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"WITH inflight AS (SELECT s.tenant_id AS tenant_id, COUNT(*) AS n FROM {T} t "
-            f"JOIN {S} s ON s.id = t.session_id WHERE {_IN_FLIGHT} GROUP BY s.tenant_id), "
-            f"waiting AS (SELECT t.id AS id, t.created_at AS created_at, s.tenant_id AS tenant_id, "
-            f"ROW_NUMBER() OVER (PARTITION BY s.tenant_id ORDER BY t.created_at, t.id) AS n "
-            f"FROM {T} t JOIN {S} s ON s.id = t.session_id WHERE {_WAITING}), "
-            f"ranked AS (SELECT w.id AS id, w.created_at AS created_at, "
-            f"(COALESCE(i.n, 0) + w.n) * 1.0 / tn.weight AS share, "
-            f"CASE WHEN COALESCE(tn.max_running_turns, %s) = 0 "
-            f"OR COALESCE(i.n, 0) + w.n <= COALESCE(tn.max_running_turns, %s) THEN 1 ELSE 0 END AS may_start "
-            f"FROM waiting w JOIN {TENANT} tn ON tn.id = w.tenant_id LEFT JOIN inflight i ON i.tenant_id = w.tenant_id) "
-            f"SELECT id, may_start FROM ranked ORDER BY may_start DESC, share, created_at, id LIMIT %s",
+            f"{_FAIR_ORDER}SELECT id, may_start FROM ranked ORDER BY may_start DESC, share, created_at, id LIMIT %s",
             [default_max_running, default_max_running, limit],
         )
         return [(row[0], bool(row[1])) for row in cursor.fetchall()]
+
+
+def fair_order_with_room(
+    limit: int, default_max_running: int, workers_seen_since: datetime
+) -> tuple[list[tuple[str, bool]], int, int]:
+    """fair_order, with (turns in flight, worker slots) read by the same statement; nothing
+    when no turn waits."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"{_FAIR_ORDER}SELECT id, may_start, (SELECT COALESCE(SUM(n), 0) FROM inflight), "
+            f"(SELECT COALESCE(SUM(concurrency), 0) FROM {W} WHERE seen_at >= %s) "
+            f"FROM ranked ORDER BY may_start DESC, share, created_at, id LIMIT %s",
+            [
+                default_max_running,
+                default_max_running,
+                connection.ops.adapt_datetimefield_value(workers_seen_since),
+                limit,
+            ],
+        )
+        rows = cursor.fetchall()
+    if not rows:
+        return [], 0, 0
+    return [(row[0], bool(row[1])) for row in rows], int(rows[0][2]), int(rows[0][3])
 
 
 def mark_dispatched(turn_ids: list[str]) -> list[str]:

@@ -215,20 +215,54 @@ class ClaimedTurn:
     waited: float = 0.0  # seconds from its acceptance to this claim
 
 
-def claim_turn(turn_id: str) -> ClaimedTurn | None:
-    """queued -> running, at most once: a second delivery of the task gets None."""
+def claim_turn(turn_id: str, *, waiting_only: bool = False) -> ClaimedTurn | None:
+    """queued -> running, at most once: a second delivery of the task gets None.
+    `waiting_only`: only while no one dispatched it yet (a worker thread taking a waiting turn
+    for itself, sessions_app.dispatch.take_next)."""
     started = timezone.now()
     now = connection.ops.adapt_datetimefield_value(started)
+    waiting = " AND dispatched_at IS NULL" if waiting_only else ""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s WHERE id = %s AND status = %s "
-            f"RETURNING session_id, stream, permissions, created_at",
-            [Turn.RUNNING, now, now, turn_id, Turn.QUEUED],
+            f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s, dispatched_at = COALESCE(dispatched_at, %s) "
+            f"WHERE id = %s AND status = %s{waiting} RETURNING session_id, stream, permissions, created_at",
+            [Turn.RUNNING, now, now, now, turn_id, Turn.QUEUED],
         )
         row = cursor.fetchone()
     if row is None:
         return None
     return ClaimedTurn(row[0], row[1], _json(row[2]) or [], (started - _datetime(row[3])).total_seconds())
+
+
+def claim_first(turn_ids: list[str]) -> tuple[str, ClaimedTurn] | None:
+    """Claim the first of these turns (in this order) still waiting, nobody having dispatched
+    it; None when every one was taken. On PostgreSQL in one statement that skips the rows
+    another thread is claiming at the same instant instead of waiting for it."""
+    if connection.vendor != "postgresql":
+        for turn_id in turn_ids:
+            claimed = claim_turn(turn_id, waiting_only=True)
+            if claimed is not None:
+                return turn_id, claimed
+        return None
+    started = timezone.now()
+    now = connection.ops.adapt_datetimefield_value(started)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s, dispatched_at = %s "
+            f"WHERE id = (SELECT id FROM {T} WHERE id = ANY(%s) AND status = %s AND dispatched_at IS NULL "
+            f"ORDER BY array_position(%s, id::text) LIMIT 1 FOR UPDATE SKIP LOCKED) "
+            f"RETURNING id, session_id, stream, permissions, created_at",
+            [Turn.RUNNING, now, now, now, turn_ids, Turn.QUEUED, turn_ids],
+        )
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    return row[0], ClaimedTurn(row[1], row[2], _json(row[3]) or [], (started - _datetime(row[4])).total_seconds())
+
+
+@dataclass(frozen=True)
+class EndedTurn:
+    others_waiting: bool  # as it ended, other turns were waiting for a worker slot
 
 
 def end_turn(
@@ -241,8 +275,10 @@ def end_turn(
     completion_tokens: int,
     model_calls: int,
     produced: bool = False,
-) -> bool:
-    """running -> done; False when it was no longer running (declared lost, or deleted).
+) -> EndedTurn | None:
+    """running -> done; None when it was no longer running (declared lost, or deleted).
+    The same statement says whether other turns wait for a worker slot (a hint for the worker
+    thread that ran this one, sessions_app.dispatch.run_turns: no statement of its own).
 
     `produced`: the turn's output is about to be appended to its session, so its first
     message will be the session's next seq; that seq is the turn's `output_seq` (set in the
@@ -252,7 +288,8 @@ def end_turn(
             f"UPDATE {T} SET status = %s, stop_reason = %s, cancelled = %s, error = %s, finished_at = %s, "
             f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, partial = '', "
             f"output_seq = CASE WHEN %s THEN (SELECT message_seq + 1 FROM {S} WHERE id = {T}.session_id) ELSE 0 END "
-            f"WHERE id = %s AND status = %s",
+            f"WHERE id = %s AND status = %s "
+            f"RETURNING EXISTS (SELECT 1 FROM {T} w WHERE w.status = %s AND w.dispatched_at IS NULL)",
             [
                 Turn.DONE,
                 stop_reason,
@@ -265,9 +302,11 @@ def end_turn(
                 produced,
                 turn_id,
                 Turn.RUNNING,
+                Turn.QUEUED,
             ],
         )
-        return cursor.rowcount > 0
+        row = cursor.fetchone()
+    return EndedTurn(bool(row[0])) if row else None
 
 
 def heartbeat(turn_ids: list[str], partials: dict[str, str]) -> None:

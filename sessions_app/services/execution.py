@@ -100,35 +100,40 @@ def _output_json(turn_id: str) -> str | None:
     return dumps(shaped) if shaped else None
 
 
-def turn_execute(turn_id: str, *, marked: bool = True) -> None:
+def turn_execute(turn_id: str, *, claimed: turn_store.ClaimedTurn | None = None) -> bool:
     """Run a queued turn to its end and persist it. Safe to call twice (the second is a no-op).
-    `marked`: it came through the broker, with a dispatch mark in Redis to clear once claimed
-    (a turn a worker thread took for itself, sessions_app.dispatch.run_turns, has none)."""
+    `claimed`: a worker thread already took it (sessions_app.dispatch.take_next); otherwise it
+    came through the broker, is claimed here and its dispatch mark in Redis cleared.
+
+    Returns whether other turns were waiting for a worker slot as it ended (True when that is
+    not known): the thread then offers its slot to them."""
     backend = events.backend()
     try:
         backend.set_lease_sync(turn_id)  # the Redis lease backs up the PostgreSQL heartbeat
     except Exception as exc:
         logger.warning("no Redis lease for turn %s (%s); its heartbeat stands alone", turn_id, type(exc).__name__)
-    # One conditional UPDATE claims the turn: a second delivery of the task finds nothing to do.
-    try:
-        claimed = _with_db_retry(turn_store.claim_turn, turn_id)
-    except DB_ERRORS:
-        try:
-            backend.clear_dispatched_sync(turn_id)  # the outbox dispatches it again once PostgreSQL is back
-        except Exception:
-            pass
-        raise
+    marked = claimed is None
     if claimed is None:
-        return
+        # One conditional UPDATE claims the turn: a second delivery of the task finds nothing to do.
+        try:
+            claimed = _with_db_retry(turn_store.claim_turn, turn_id)
+        except DB_ERRORS:
+            try:
+                backend.clear_dispatched_sync(turn_id)  # the outbox dispatches it again once PostgreSQL is back
+            except Exception:
+                pass
+            raise
+        if claimed is None:
+            return True
     metrics.turn_claimed(claimed.waited)
     liveness.track(turn_id, None if claimed.stream == "delta" else lambda: _output_json(turn_id))
     try:
-        _execute_claimed(turn_id, claimed, marked)
+        return _execute_claimed(turn_id, claimed, marked)
     finally:
         liveness.untrack(turn_id)
 
 
-def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn, marked: bool) -> None:
+def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn, marked: bool) -> bool:
     if marked:
         try:
             events.backend().clear_dispatched_sync(turn_id)
@@ -136,7 +141,7 @@ def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn, marked: bool
             pass  # the mark expires by itself
     session = _with_db_retry(turn_store.session_for_turn, claimed.session_pk)
     if session is None:
-        return
+        return True
     bind_log_context(tenant=session.tenant_name, session=session.public_id)
     try:
         plan, compacted = _with_db_retry(_plan, turn_id, claimed, session)
@@ -160,7 +165,7 @@ def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn, marked: bool
         connection.close()
         outcome = host.execute_sync(plan)
     try:
-        _with_db_retry(_finish, turn_id, claimed.session_pk, outcome, compacted)
+        return _with_db_retry(_finish, turn_id, claimed.session_pk, outcome, compacted)
     except Exception as exc:
         # Never re-raised to Celery, which would log the database's text (it quotes the values).
         logger.error("turn %s could not be stored: %s", turn_id, describe_failure(exc))
@@ -168,10 +173,12 @@ def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn, marked: bool
             events.backend().clear_lease_sync(turn_id)  # with its heartbeat stopped, it ends as lost
         except Exception:
             pass
+        return True
 
 
-def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted: list[tuple[int, dict]]) -> None:
-    """Persist a turn's messages, pending calls and usage atomically, then publish turn_stop."""
+def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted: list[tuple[int, dict]]) -> bool:
+    """Persist a turn's messages, pending calls and usage atomically, then publish turn_stop.
+    Returns whether other turns wait for a worker slot (True when not known)."""
     problem = unstorable(outcome.pending_calls)
     if problem:
         # History keeps the calls as produced (stored as text); jsonb cannot keep them pending.
@@ -188,12 +195,13 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
         )
     with transaction.atomic():
         ended = _end_turn(turn_id, outcome)
-        reclaimed = not ended and _reclaim_declared_lost(turn_id, session_pk, outcome)
+        reclaimed = None if ended else _reclaim_declared_lost(turn_id, session_pk, outcome)
         if not ended and not reclaimed:
             # Deleted with its session, or this is a retry whose first commit went through
             # (or a lost turn whose session moved on): the stream gets the stored ending.
             transaction.on_commit(lambda: publish_stop_if_missing(turn_id))
-            return
+            return True
+        others_waiting = (ended or reclaimed).others_waiting  # type: ignore[union-attr]
         last = turn_store.close_turn_on_session(
             session_pk,
             added=len(outcome.messages),
@@ -202,7 +210,7 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
             completion_tokens=outcome.completion_tokens,
         )
         if last is None:
-            return
+            return others_waiting
         first = last - len(outcome.messages) + 1
         seqs = turn_store.insert_messages(session_pk, first, outcome.messages, turn_id=turn_id)
         apply_compaction(session_pk, last, compacted + list(zip(seqs, outcome.messages)), outcome.compaction)
@@ -210,11 +218,14 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
         if outcome.model_calls:
             meta["usage"] = {"promptTokens": outcome.prompt_tokens, "completionTokens": outcome.completion_tokens}
         if reclaimed:
-            return  # its listeners already got the recovery's ending; history and the turn hold the truth
+            return (
+                others_waiting  # its listeners already got the recovery's ending; history and the turn hold the truth
+            )
         transaction.on_commit(lambda: publish_stop(turn_id, outcome.stop_reason, meta, seq=outcome.last_seq + 1))
+    return others_waiting
 
 
-def _end_turn(turn_id: str, outcome: host.TurnOutcome) -> bool:
+def _end_turn(turn_id: str, outcome: host.TurnOutcome) -> turn_store.EndedTurn | None:
     """running -> done with the outcome's stop reason, error and usage (turn_store.end_turn)."""
     return turn_store.end_turn(
         turn_id,
@@ -228,20 +239,20 @@ def _end_turn(turn_id: str, outcome: host.TurnOutcome) -> bool:
     )
 
 
-def _reclaim_declared_lost(turn_id: str, session_pk: int, outcome: host.TurnOutcome) -> bool:
+def _reclaim_declared_lost(turn_id: str, session_pk: int, outcome: host.TurnOutcome) -> turn_store.EndedTurn | None:
     """A worker finished a turn that was declared lost meanwhile (it was frozen longer than
     the lease): its real result wins. When nothing was written to the session since, what
     the recovery stored is taken back and the turn is running again, for _finish to end it."""
     session = Session.objects.select_for_update().filter(pk=session_pk).first()
     turn = Turn.objects.select_for_update().filter(id=turn_id).first()
     if session is None or turn is None or turn.status != Turn.DONE or turn.error != LOST_ERROR:
-        return False
+        return None
     last_of_turn = (
         Message.objects.filter(session_id=session_pk, kind=Message.FULL, turn_id=turn_id).order_by("-seq").first()
     )
     if session.active_turn_id is not None or last_of_turn is None or last_of_turn.seq != session.message_seq:
         logger.warning("turn %s finished after it was declared lost and its session moved on; kept as lost", turn_id)
-        return False
+        return None
     cut = turn.output_seq or session.message_seq + 1
     Message.objects.filter(session_id=session_pk, turn_id=turn_id, seq__gte=cut).delete()
     Session.objects.filter(pk=session_pk).update(message_seq=cut - 1)

@@ -99,8 +99,10 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         # `turn_start` (event 1) before the commit: a client sees its turn begin at once, and
         # with Redis unreachable this raises, the transaction rolls back and nothing is stored.
         start_meta = {"turnId": turn.id}
-        # Every worker slot is taken, or others wait: where the turn stands among them.
-        queued = None if room is None or room.takes_slot else dispatch.queued_place(turn.id, room)
+        # Every worker slot is taken, or others wait: where the turn stands among them (for
+        # a stream; `stream: "none"` answers once the turn is over, and shows no turn_start).
+        waits = room is not None and not room.takes_slot and mode != "none"
+        queued = dispatch.queued_place(turn.id, room) if waits else None
         if queued:
             start_meta["queued"] = queued
         events.backend().publish_sync(turn.id, 1, {"event": "turn_start", "_meta": start_meta})
