@@ -181,6 +181,12 @@ if DATABASE_URL:
             "max_size": env_int("DATABASE_POOL_MAX", 20),
             "timeout": env_float("DATABASE_POOL_TIMEOUT", 30.0),
         }
+        # Parameters travel apart from the statement, and psycopg prepares a statement a
+        # connection has run 5 times: PostgreSQL then skips parsing and planning it, most of
+        # what the turn path's statements cost it. Set DATABASE_PREPARED_STATEMENTS=0 behind
+        # a pooler in transaction mode (PgBouncer before 1.21), which cannot keep them.
+        if env_bool("DATABASE_PREPARED_STATEMENTS", True):
+            DATABASES["default"]["OPTIONS"].update(server_side_binding=True, prepare_threshold=5)
     # The test runner's database; scripts/test.sh makes it unique per run so two checkouts'
     # suites can share one PostgreSQL server.
     if os.environ.get("DATABASE_TEST_NAME"):

@@ -161,3 +161,68 @@ def test_a_tenant_never_runs_more_turns_at_once_than_its_limit(settings):
     # The service's default applies to a tenant that sets no limit of its own.
     free_first = [(t, ok) for t, ok in schedule_store.fair_order(100_000, 1) if t in free_turns]
     assert free_first == [(free_turns[0], True), (free_turns[1], False)]
+
+
+def _taken_in_order(mine: list[str], count: int) -> list[str]:
+    """What `take_next` claims, this test's turns only, until `count` of them are taken (a
+    waiting turn another test left behind is claimed too, inside this test's transaction)."""
+    from sessions_app import dispatch
+
+    taken: list[str] = []
+    for _ in range(len(mine) + 1000):
+        following = dispatch.take_next()
+        if following is None:
+            break
+        if following[0] in mine:
+            taken.append(following[0])
+            if len(taken) == count:
+                break
+    return taken
+
+
+def test_a_thread_whose_turn_ended_claims_the_next_turn_of_the_fair_order(monkeypatch):
+    from sessions_app import dispatch
+    from sessions_app.models import Turn
+
+    busy, quiet = _tenant(), _tenant()
+    _turns(busy, 4, running=True)
+    backlog = _turns(busy, 3)
+    single = _turns(quiet, 1)
+    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: 1_000_000)  # the ended turn's slot is free
+    sent: list[str] = []
+    monkeypatch.setattr(dispatch, "_send", lambda turn_id, node=None: sent.append(turn_id) or True)
+
+    assert _taken_in_order(backlog + single, 2) == [single[0], backlog[0]]
+    claimed = Turn.objects.get(id=single[0])
+    assert claimed.status == Turn.RUNNING and claimed.started_at and claimed.dispatched_at
+    assert not sent  # the thread runs it itself: nothing goes through the broker
+    assert Turn.objects.get(id=backlog[1]).status == Turn.QUEUED
+
+
+def test_a_thread_leaves_its_slot_to_a_turn_sent_through_the_broker_meanwhile(monkeypatch):
+    from sessions_app import dispatch
+    from sessions_app.models import Turn
+
+    waiting = _turns(_tenant(), 1)
+    # Every slot is held (running, or dispatched through the broker and about to run): the
+    # thread goes back to the broker instead of taking a waiting turn beyond the workers' slots.
+    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: 0)
+    assert dispatch.take_next() is None
+    assert Turn.objects.get(id=waiting[0]).status == Turn.QUEUED
+
+
+def test_the_statement_ending_a_turn_says_whether_others_wait():
+    from sessions_app import turn_store
+
+    tenant = _tenant()
+    (running,) = _turns(tenant, 1, running=True)
+    _turns(tenant, 1)
+    ended = turn_store.end_turn(
+        running, stop_reason="end_turn", cancelled=False, error="", prompt_tokens=0, completion_tokens=0, model_calls=0
+    )
+    assert ended is not None and ended.others_waiting
+    # Ended once: a second ending finds it no longer running.
+    again = turn_store.end_turn(
+        running, stop_reason="end_turn", cancelled=False, error="", prompt_tokens=0, completion_tokens=0, model_calls=0
+    )
+    assert again is None

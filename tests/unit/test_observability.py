@@ -127,11 +127,15 @@ def test_closing_a_relayed_stream_closes_the_turns_follower():
     assert asyncio.run(run()) == [True]
 
 
-def test_only_turn_tasks_carry_an_enqueue_time():
-    sweep, turn = {}, {}
-    metrics._stamp_enqueue(sender="sessions_app.tasks.sweep_stale_turns", headers=sweep)
-    metrics._stamp_enqueue(sender=metrics.RUN_TURN, headers=turn)
-    assert sweep == {} and isinstance(turn[metrics._ENQUEUED_AT], float)
+def test_a_turns_wait_is_observed_from_its_acceptance_when_a_worker_claims_it():
+    def observed() -> tuple[float, float]:
+        samples = {s.name: s.value for s in metrics.QUEUE_WAIT.collect()[0].samples}
+        return samples["aap_turn_queue_wait_seconds_count"], samples["aap_turn_queue_wait_seconds_sum"]
+
+    count, total = observed()
+    metrics.turn_claimed(2.5)
+    metrics.turn_claimed(-0.01)  # clocks of two hosts: never a negative wait
+    assert observed() == (count + 2, total + 2.5)
 
 
 def test_a_usage_window_at_the_edge_of_the_calendar_is_a_400_not_a_crash():
