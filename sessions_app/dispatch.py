@@ -122,9 +122,10 @@ _PICKS = 4
 def take_next() -> tuple[str, turn_store.ClaimedTurn] | None:
     """For a worker thread whose turn just ended: claim the waiting turn the fair order gives
     its slot. None when nothing may start (nothing waits, every waiting turn's tenant runs
-    all it may, or the slot was given to a turn sent through the broker), or PostgreSQL is unreachable (the waiting turns stay queued for the next
-    chance). Threads ending together read the same order: each claims the first of it no
-    other thread holds (turn_store.claim_first). Never raises."""
+    all it may, or the slot was given to a turn sent through the broker), or PostgreSQL is
+    unreachable (the waiting turns stay queued for the next chance). Threads ending together
+    read the same order: each claims the first of it no other thread holds
+    (turn_store.claim_first). Never raises."""
     try:
         since = timezone.now() - timedelta(seconds=worker_stale_seconds())
         order, in_flight, slots = schedule_store.fair_order_with_room(
