@@ -9,11 +9,11 @@ from datetime import datetime
 from django.db import connection
 
 from .models import Turn, Worker
-from .turn_store import TENANT, S, T, _now
+from .turn_store import TENANT, S, T, _now, waiting
 
 W = Worker._meta.db_table
 _ACTIVE = f"t.status IN ('{Turn.QUEUED}', '{Turn.RUNNING}')"
-_WAITING = f"t.status = '{Turn.QUEUED}' AND t.dispatched_at IS NULL"
+_WAITING = waiting("t")
 # Running, or handed to the broker and about to run: what holds (or will hold) a worker slot.
 _IN_FLIGHT = f"{_ACTIVE} AND (t.status = '{Turn.RUNNING}' OR t.dispatched_at IS NOT NULL)"
 
@@ -75,6 +75,7 @@ _FAIR_ORDER = (
     f"OR COALESCE(i.n, 0) + w.n <= COALESCE(tn.max_running_turns, %s) THEN 1 ELSE 0 END AS may_start "
     f"FROM waiting w JOIN {TENANT} tn ON tn.id = w.tenant_id LEFT JOIN inflight i ON i.tenant_id = w.tenant_id) "
 )
+_IN_FAIR_ORDER = "FROM ranked ORDER BY may_start DESC, share, created_at, id LIMIT %s"
 
 
 def fair_order(limit: int, default_max_running: int) -> list[tuple[str, bool]]:
@@ -86,7 +87,7 @@ def fair_order(limit: int, default_max_running: int) -> list[tuple[str, bool]]:
     those come last."""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"{_FAIR_ORDER}SELECT id, may_start FROM ranked ORDER BY may_start DESC, share, created_at, id LIMIT %s",
+            f"{_FAIR_ORDER}SELECT id, may_start {_IN_FAIR_ORDER}",
             [default_max_running, default_max_running, limit],
         )
         return [(row[0], bool(row[1])) for row in cursor.fetchall()]
@@ -100,8 +101,7 @@ def fair_order_with_room(
     with connection.cursor() as cursor:
         cursor.execute(
             f"{_FAIR_ORDER}SELECT id, may_start, (SELECT COALESCE(SUM(n), 0) FROM inflight), "
-            f"(SELECT COALESCE(SUM(concurrency), 0) FROM {W} WHERE seen_at >= %s) "
-            f"FROM ranked ORDER BY may_start DESC, share, created_at, id LIMIT %s",
+            f"(SELECT COALESCE(SUM(concurrency), 0) FROM {W} WHERE seen_at >= %s) {_IN_FAIR_ORDER}",
             [
                 default_max_running,
                 default_max_running,

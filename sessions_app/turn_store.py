@@ -215,23 +215,35 @@ class ClaimedTurn:
     waited: float = 0.0  # seconds from its acceptance to this claim
 
 
+# What a claim returns, then _claimed builds the ClaimedTurn from.
+_CLAIMED_COLUMNS = "session_id, stream, permissions, created_at"
+
+
+def _claimed(row, started: datetime) -> ClaimedTurn:
+    session_pk, stream, permissions, created_at = row
+    return ClaimedTurn(session_pk, stream, _json(permissions) or [], (started - _datetime(created_at)).total_seconds())
+
+
+def waiting(alias: str) -> str:
+    """SQL: the turn `alias` waits for a worker slot (queued, not handed to the broker)."""
+    return f"{alias}.status = '{Turn.QUEUED}' AND {alias}.dispatched_at IS NULL"
+
+
 def claim_turn(turn_id: str, *, waiting_only: bool = False) -> ClaimedTurn | None:
     """queued -> running, at most once: a second delivery of the task gets None.
     `waiting_only`: only while no one dispatched it yet (a worker thread taking a waiting turn
     for itself, sessions_app.dispatch.take_next)."""
     started = timezone.now()
     now = connection.ops.adapt_datetimefield_value(started)
-    waiting = " AND dispatched_at IS NULL" if waiting_only else ""
+    undispatched = " AND dispatched_at IS NULL" if waiting_only else ""
     with connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s, dispatched_at = COALESCE(dispatched_at, %s) "
-            f"WHERE id = %s AND status = %s{waiting} RETURNING session_id, stream, permissions, created_at",
+            f"WHERE id = %s AND status = %s{undispatched} RETURNING {_CLAIMED_COLUMNS}",
             [Turn.RUNNING, now, now, now, turn_id, Turn.QUEUED],
         )
         row = cursor.fetchone()
-    if row is None:
-        return None
-    return ClaimedTurn(row[0], row[1], _json(row[2]) or [], (started - _datetime(row[3])).total_seconds())
+    return _claimed(row, started) if row else None
 
 
 def claim_first(turn_ids: list[str]) -> tuple[str, ClaimedTurn] | None:
@@ -249,15 +261,13 @@ def claim_first(turn_ids: list[str]) -> tuple[str, ClaimedTurn] | None:
     with connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s, dispatched_at = %s "
-            f"WHERE id = (SELECT id FROM {T} WHERE id = ANY(%s) AND status = %s AND dispatched_at IS NULL "
-            f"ORDER BY array_position(%s, id::text) LIMIT 1 FOR UPDATE SKIP LOCKED) "
-            f"RETURNING id, session_id, stream, permissions, created_at",
-            [Turn.RUNNING, now, now, now, turn_ids, Turn.QUEUED, turn_ids],
+            f"WHERE id = (SELECT w.id FROM {T} w WHERE w.id = ANY(%s) AND {waiting('w')} "
+            f"ORDER BY array_position(%s, w.id::text) LIMIT 1 FOR UPDATE SKIP LOCKED) "
+            f"RETURNING id, {_CLAIMED_COLUMNS}",
+            [Turn.RUNNING, now, now, now, turn_ids, turn_ids],
         )
         row = cursor.fetchone()
-    if row is None:
-        return None
-    return row[0], ClaimedTurn(row[1], row[2], _json(row[3]) or [], (started - _datetime(row[4])).total_seconds())
+    return (row[0], _claimed(row[1:], started)) if row else None
 
 
 @dataclass(frozen=True)
@@ -289,7 +299,7 @@ def end_turn(
             f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, partial = '', "
             f"output_seq = CASE WHEN %s THEN (SELECT message_seq + 1 FROM {S} WHERE id = {T}.session_id) ELSE 0 END "
             f"WHERE id = %s AND status = %s "
-            f"RETURNING EXISTS (SELECT 1 FROM {T} w WHERE w.status = %s AND w.dispatched_at IS NULL)",
+            f"RETURNING EXISTS (SELECT 1 FROM {T} w WHERE {waiting('w')})",
             [
                 Turn.DONE,
                 stop_reason,
@@ -302,7 +312,6 @@ def end_turn(
                 produced,
                 turn_id,
                 Turn.RUNNING,
-                Turn.QUEUED,
             ],
         )
         row = cursor.fetchone()

@@ -218,9 +218,8 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
         if outcome.model_calls:
             meta["usage"] = {"promptTokens": outcome.prompt_tokens, "completionTokens": outcome.completion_tokens}
         if reclaimed:
-            return (
-                others_waiting  # its listeners already got the recovery's ending; history and the turn hold the truth
-            )
+            # Its listeners already got the recovery's ending; history and the turn hold the truth.
+            return others_waiting
         transaction.on_commit(lambda: publish_stop(turn_id, outcome.stop_reason, meta, seq=outcome.last_seq + 1))
     return others_waiting
 
