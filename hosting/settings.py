@@ -215,21 +215,17 @@ REDIS_URL = os.environ.get("REDIS_URL", "")
 REDIS_POOL_MAX = env_int("REDIS_POOL_MAX", 50)
 CELERY_BROKER_URL = REDIS_URL or "memory://"
 CELERY_TASK_IGNORE_RESULT = True
-# A turn's message is acknowledged when its task returns, and a worker reserves no more
-# messages than it has free threads: a worker that stops or dies hands its turns back.
+# A worker reserves no more messages than it has free threads, and a message leaves Redis
+# when a worker takes it: the worker claims its turn in PostgreSQL at once, and from then on
+# the turn's heartbeat says whether it is alive. A turn taken by a worker that died before
+# claiming it is still `dispatched` in PostgreSQL but no longer on the queue: the sweep sends
+# it again (sessions_app.dispatch). So Kombu's Redis ack emulation (a sorted set and a hash
+# written in two transactions per message) is off: it cost a fifth of a worker's CPU.
 CELERY_TASK_ACKS_LATE = True
-CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_WORKER_DISABLE_PREFETCH = env_bool("AAP_WORKER_DISABLE_PREFETCH", True)
-# Kombu's Redis ack emulation keeps a delivered message until it is acknowledged: a warm
-# shutdown puts unstarted ones back at once, and a killed worker's come back after the
-# visibility timeout (a second delivery of a running turn is a no-op: claims are once).
-AAP_QUEUE_VISIBILITY_SECONDS = env_int("AAP_QUEUE_VISIBILITY_SECONDS", 60)
 CELERY_BROKER_TRANSPORT_OPTIONS = {
-    "ack_emulation": True,
-    "visibility_timeout": AAP_QUEUE_VISIBILITY_SECONDS,
-    "unacked_restore_interval": max(1, AAP_QUEUE_VISIBILITY_SECONDS // 6),
-    "unacked_restore_throttle": 1,
+    "ack_emulation": False,
     "socket_timeout": 10,
     "socket_connect_timeout": 5,
 }

@@ -11,12 +11,13 @@ weight first (schedule_store.fair_order), and never more at once than the tenant
 limit. So a tenant's single short turn waits for one slot to free, not behind another
 tenant's backlog, and a tenant whose limit is below the workers' slots leaves the rest free.
 
-A turn handed to the broker is marked `dispatched_at` in PostgreSQL, then on the broker, and
-marked in Redis. Whatever happens between (a crash of the web process, Redis down or
-restarted), the row stays `queued`, and a dispatched turn whose mark is gone from Redis is
-dispatched again: by the periodic sweep, by a client following it, by the next request on
-its session. A second delivery is harmless: a worker claims a turn once
-(turn_store.claim_turn). Waiting is never failure.
+A turn handed to the broker is marked `dispatched_at` in PostgreSQL, then put on the
+broker. Whatever happens between, or after (a crash of the web process, Redis down or
+restarted, a worker dying between taking the message and claiming the turn), the row stays
+`queued`: a dispatched turn that is neither claimed nor still on the broker's queue after
+AAP_TURN_DISPATCH_GRACE_SECONDS is dispatched again, by the periodic sweep, by a client
+following it, by the next request on its session (`on_its_way`). A second delivery is
+harmless: a worker claims a turn once (turn_store.claim_turn). Waiting is never failure.
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ from .services import execution
 
 logger = logging.getLogger(__name__)
 
-# A dispatch mark lasts this long: a queued turn whose mark is gone is dispatched again.
-# Pinned turns (an answer to a prompt one worker holds) fall back to any worker sooner: the
-# holder's routing key expires within 30 s when it dies.
-MARK_SECONDS = 600.0
+# A turn sent to one worker's own queue (an answer to a prompt that worker holds) is marked
+# in Redis for this long: it falls back to any worker sooner when no worker took it (the
+# holder's routing key expires within 30 s when it dies). The shared queue needs no mark: it
+# is read (`on_its_way`). In the embedded mode a turn handed to the pool is marked too.
 PINNED_MARK_SECONDS = 30.0
+EMBEDDED_MARK_SECONDS = 600.0
 
 # The Celery task that runs a turn (sessions_app.tasks), sent by name: tasks import services,
 # services import this module.
@@ -67,12 +69,9 @@ def _run_embedded(turn_id: str) -> None:
         close_old_connections()
 
 
-def _chain_seconds() -> float:
-    """How long one worker thread keeps taking the next waiting turn itself. Its first turn's
-    task message is acknowledged when it stops (late ack), and the broker hands an
-    unacknowledged message out again after AAP_QUEUE_VISIBILITY_SECONDS (harmless, a turn is
-    claimed once, but wasted): the chain stops well before."""
-    return settings.AAP_QUEUE_VISIBILITY_SECONDS / 3
+# How long one worker thread keeps taking the next waiting turn itself (run_turns); then the
+# next goes through the broker, and the thread's task ends.
+CHAIN_SECONDS = 20.0
 
 
 def run_turns(turn_id: str) -> None:
@@ -85,10 +84,10 @@ def run_turns(turn_id: str) -> None:
 
     The chain stops when nothing waits, when this worker is shutting down (a warm shutdown
     takes no new turn: the waiting ones stay in PostgreSQL for the other workers), and after
-    _chain_seconds (the next one then goes through the broker). A turn is claimed here by the
+    CHAIN_SECONDS (the next one then goes through the broker). A turn is claimed here by the
     same conditional UPDATE as from the broker, so it runs once; if this process dies while it
     runs, its heartbeat stops and it is recovered like any other running turn."""
-    deadline = time.monotonic() + _chain_seconds()
+    deadline = time.monotonic() + CHAIN_SECONDS
     claimed: turn_store.ClaimedTurn | None = None
     while True:
         with log_context(turn=turn_id), tracing.new_trace() if claimed else nullcontext():
@@ -154,9 +153,10 @@ def enqueue_turn(turn_id: str, *, node: str | None = None) -> None:
     """Hand a turn to a Celery worker (REDIS_URL set) or to a thread of this process;
     `node` names the worker that must run it (its direct queue, `worker_direct`)."""
     if settings.REDIS_URL and node:
-        current_app.send_task(RUN_TURN, args=(turn_id,), queue=worker_direct(node))
+        current_app.send_task(RUN_TURN, args=(turn_id,), task_id=turn_id, queue=worker_direct(node))
     elif settings.REDIS_URL:
-        current_app.send_task(RUN_TURN, args=(turn_id,))
+        # The task's id is the turn's: `on_its_way` finds the turn on the queue by it.
+        current_app.send_task(RUN_TURN, args=(turn_id,), task_id=turn_id)
     else:
         _embedded_pool().submit(_run_embedded, turn_id)
 
@@ -182,16 +182,28 @@ def capacity(counted: int | None = None) -> int:
 
 
 def _send(turn_id: str, node: str | None = None) -> bool:
-    """Put a turn on the broker and mark it dispatched in Redis. False (logged) when the
+    """Put a turn on the broker (a pinned one marked in Redis). False (logged) when the
     broker is unreachable: the turn stays queued and is dispatched again later."""
-    backend = events.backend()
     try:
         enqueue_turn(turn_id, node=node)
-        backend.mark_dispatched_sync(turn_id, PINNED_MARK_SECONDS if node else MARK_SECONDS)
+        if node or not settings.REDIS_URL:
+            events.backend().mark_dispatched_sync(turn_id, PINNED_MARK_SECONDS if node else EMBEDDED_MARK_SECONDS)
     except Exception as exc:
         logger.warning("turn %s stays queued: the broker is unreachable (%s)", turn_id, type(exc).__name__)
         return False
     return True
+
+
+def on_its_way(turn_ids: list[str]) -> set[str]:
+    """Of these dispatched, unclaimed turns, those still on their way to a worker: on the
+    broker's shared queue, or marked (a pinned turn; the embedded mode's). The others were
+    lost: in a Redis restart, by a web process that died before sending them, by a worker
+    that died after taking them. Raises when Redis is unreachable (nothing can be sent then)."""
+    backend = events.backend()
+    found = {turn_id for turn_id in turn_ids if backend.dispatched_sync(turn_id)}
+    if settings.REDIS_URL and len(found) < len(turn_ids):
+        found |= set(turn_ids) & backend.queued_task_ids(settings.CELERY_TASK_DEFAULT_QUEUE)
+    return found
 
 
 @dataclass(frozen=True)
@@ -326,22 +338,24 @@ def redispatch_if_lost(turn_id: str, created_at) -> bool:
     if not _grace_passed(state[1]):
         return False
     try:
-        if events.backend().dispatched_sync(turn_id):
+        if on_its_way([turn_id]):
             return False
     except Exception:
         return False  # Redis is down: nothing can be dispatched now anyway
-    logger.warning("turn %s was dispatched without a trace on the broker; dispatching it again", turn_id)
+    logger.warning("turn %s was dispatched but never reached a worker; dispatching it again", turn_id)
     return _send(turn_id)
 
 
 def dispatch_pending() -> int:
-    """Dispatch again every dispatched turn whose mark is gone (its task may be lost), then
-    fill the free slots (run periodically)."""
+    """Dispatch again every dispatched turn that never reached a worker (`on_its_way`),
+    then fill the free slots (run periodically)."""
     cutoff = timezone.now() - timedelta(seconds=settings.AAP_TURN_DISPATCH_GRACE_SECONDS)
-    backend = events.backend()
+    dispatched = schedule_store.dispatched_turns(cutoff)
     sent = 0
-    for turn_id in schedule_store.dispatched_turns(cutoff):
-        if not backend.dispatched_sync(turn_id):
-            logger.warning("turn %s was dispatched without a trace on the broker; dispatching it again", turn_id)
-            sent += _send(turn_id)
+    if dispatched:
+        arriving = on_its_way(dispatched)
+        for turn_id in dispatched:
+            if turn_id not in arriving:
+                logger.warning("turn %s was dispatched but never reached a worker; dispatching it again", turn_id)
+                sent += _send(turn_id)
     return sent + len(dispatch_next())

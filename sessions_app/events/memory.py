@@ -104,6 +104,9 @@ class MemoryEvents:
     def lease_alive_sync(self, turn_id: str) -> bool:
         return self._leases.get(turn_id, 0) > time.monotonic()
 
+    def queued_task_ids(self, queue: str) -> set[str]:
+        return set()  # no broker: turns are marked instead
+
     def mark_dispatched_sync(self, turn_id: str, ttl: float) -> None:
         self._dispatched[turn_id] = time.monotonic() + ttl
 

@@ -214,7 +214,18 @@ class RedisEvents:
     def lease_alive_sync(self, turn_id: str) -> bool:
         return bool(self.sync.exists(lease_key(turn_id)))
 
-    # dispatch marks: a turn handed to the broker, in the broker's own Redis (they vanish together)
+    # the broker (Kombu keeps a queue in this Redis as a list of JSON messages)
+    def queued_task_ids(self, queue: str) -> set[str]:
+        """The ids of the tasks waiting on a Celery queue (not yet taken by a worker)."""
+        ids = set()
+        for raw in self.sync.lrange(queue, 0, -1):
+            try:
+                ids.add(json.loads(raw)["headers"]["id"])
+            except (ValueError, KeyError, TypeError):
+                continue  # not a Celery task message
+        return ids
+
+    # dispatch marks: a turn sent to one worker's queue, in the broker's own Redis (they vanish together)
     def mark_dispatched_sync(self, turn_id: str, ttl: float) -> None:
         self.sync.set(dispatch_key(turn_id), "1", px=int(ttl * 1000))
 

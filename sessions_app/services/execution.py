@@ -103,7 +103,7 @@ def _output_json(turn_id: str) -> str | None:
 def turn_execute(turn_id: str, *, claimed: turn_store.ClaimedTurn | None = None) -> bool:
     """Run a queued turn to its end and persist it. Safe to call twice (the second is a no-op).
     `claimed`: a worker thread already took it (sessions_app.dispatch.take_next); otherwise it
-    came through the broker, is claimed here and its dispatch mark in Redis cleared.
+    came through the broker and is claimed here.
 
     Returns whether other turns were waiting for a worker slot as it ended (True when that is
     not known): the thread then offers its slot to them."""
@@ -134,7 +134,9 @@ def turn_execute(turn_id: str, *, claimed: turn_store.ClaimedTurn | None = None)
 
 
 def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn, marked: bool) -> bool:
-    if marked:
+    # Only a turn sent to one worker's queue (it answers permissions) and the embedded mode's
+    # are marked (dispatch._send); the shared queue is read instead.
+    if marked and (claimed.permissions or not settings.REDIS_URL):
         try:
             events.backend().clear_dispatched_sync(turn_id)
         except Exception:

@@ -86,6 +86,28 @@ def test_turn_whose_task_was_lost_with_redis_data_is_dispatched_again(pg_stack, 
     assert checked_turn(demo, session, user("and now?"), stream="message").messages == text_reply("echo: and now?")
 
 
+def test_turn_taken_by_a_worker_that_died_before_claiming_it_is_dispatched_again(pg_stack, demo):
+    """A message leaves the queue when a worker takes it (no ack emulation): a worker that dies
+    between taking it and claiming the turn leaves the turn dispatched, unclaimed and off the
+    queue. It is sent again; nothing else marks it as on its way."""
+    session = demo.create_session("echo")
+    broker = redis.Redis.from_url(pg_stack.env["REDIS_URL"])
+    with worker_restored(pg_stack):
+        pg_stack.kill_worker()
+        waiting = LiveTurn.turn(pg_stack, session, "taken, then dropped", stream="none")
+        wait_until(lambda: broker.llen("aap-turns") > 0, message="the task in the broker queue")
+        taken = json.loads(broker.rpop("aap-turns"))  # what Kombu's BRPOP does for a worker, which then dies
+        waiting.wait_for(lambda t: t.headers is not None, what="response headers")
+        assert taken["headers"]["id"] == waiting.turn_id
+        assert broker.llen("aap-turns") == 0
+    waiting.wait_end(timeout=60)
+    assert waiting.status == 200
+    body = json.loads(waiting.raw)
+    assert body["stopReason"] == "end_turn", body
+    assert body["messages"] == text_reply("echo: taken, then dropped")
+    assert demo.history(session) == user("taken, then dropped") + body["messages"]
+
+
 def test_lost_turn_nobody_watches_is_ended_by_the_next_turn(pg_stack, demo):
     session = demo.create_session("echo")
     live = LiveTurn.turn(pg_stack, session, "/slow 60 300", stream="delta")
