@@ -151,6 +151,7 @@ class LiveTurn:
         self._changed = threading.Condition()
         self._close = threading.Event()
         self.finished = threading.Event()
+        self.finished_at: float | None = None  # time.time() when the response ended
         self._thread = threading.Thread(target=self._read, args=(method, path, json, headers), daemon=True)
         self._thread.start()
 
@@ -176,6 +177,7 @@ class LiveTurn:
         finally:
             self.http.close()
             with self._changed:
+                self.finished_at = time.time()
                 self.finished.set()
                 self._changed.notify_all()
 
