@@ -230,6 +230,8 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     "socket_connect_timeout": 5,
 }
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Kombu's Redis transport, with one Redis client per channel instead of one per message.
+CELERY_BROKER_TRANSPORT = "hosting.broker:Transport" if REDIS_URL.startswith("redis://") else None
 CELERY_TASK_DEFAULT_QUEUE = "aap-turns"
 # Every worker also consumes its own direct queue: a turn answering a prompt that one
 # worker holds (ACP permissions) is sent there.

@@ -30,13 +30,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
 
-from celery import current_app
 from celery.utils.nodenames import worker_direct
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 
-from hosting import tracing
+from hosting import broker, tracing
 from hosting.logs import log_context
 
 from . import events, liveness, schedule_store, turn_store
@@ -152,11 +151,10 @@ def take_next() -> tuple[str, turn_store.ClaimedTurn] | None:
 def enqueue_turn(turn_id: str, *, node: str | None = None) -> None:
     """Hand a turn to a Celery worker (REDIS_URL set) or to a thread of this process;
     `node` names the worker that must run it (its direct queue, `worker_direct`)."""
-    if settings.REDIS_URL and node:
-        current_app.send_task(RUN_TURN, args=(turn_id,), task_id=turn_id, queue=worker_direct(node))
-    elif settings.REDIS_URL:
+    if settings.REDIS_URL:
         # The task's id is the turn's: `on_its_way` finds the turn on the queue by it.
-        current_app.send_task(RUN_TURN, args=(turn_id,), task_id=turn_id)
+        queue = worker_direct(node) if node else settings.CELERY_TASK_DEFAULT_QUEUE
+        broker.send_task(RUN_TURN, turn_id, (turn_id,), queue)
     else:
         _embedded_pool().submit(_run_embedded, turn_id)
 
