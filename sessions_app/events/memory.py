@@ -52,6 +52,7 @@ class MemoryEvents:
             log.events.append((seq, event))
             if final:
                 log.expires_at = time.monotonic() + settings.AAP_EVENT_RETENTION_SECONDS
+                self._leases.pop(turn_id, None)
                 self._prune()
             waiters = list(log.waiters)
         for loop, watcher in waiters:

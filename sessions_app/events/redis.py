@@ -178,6 +178,8 @@ class RedisEvents:
         pipe.xadd(stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
         pipe.expire(stream_key(turn_id), settings.AAP_EVENT_RETENTION_SECONDS if final else live_stream_ttl())
         pipe.publish(notify_channel(turn_id), json.dumps([(seq, event)]))
+        if final:
+            pipe.delete(lease_key(turn_id))  # the turn is over: its lease goes with the same round trip
         pipe.execute()
 
     async def read_now(self, turn_id: str, after: int) -> list[tuple[int, dict]]:

@@ -47,10 +47,10 @@ def publish_stop(turn_id: str, stop_reason: str, meta: dict, *, seq: int | None 
     if meta:
         event["_meta"] = meta
     try:
+        # The last event: its publish also clears the turn's lease.
         backend.publish_sync(turn_id, seq or events.last_seq_sync(turn_id) + 1, event, final=True)
     except Exception as exc:
         logger.warning("could not publish turn_stop of %s: %s", turn_id, type(exc).__name__)
-    finally:
         try:
             backend.clear_lease_sync(turn_id)
         except Exception:
