@@ -130,20 +130,25 @@ class TurnSession:
     client_tools: list | None
 
 
-def session_for_turn(session_pk: int) -> TurnSession | None:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT s.public_id, t.name, s.agent_id, a.updated_at, s.options, s.server_tools, s.client_tools "
-            f"FROM {S} s JOIN {A} a ON a.id = s.agent_id JOIN {TENANT} t ON t.id = s.tenant_id WHERE s.id = %s",
-            [session_pk],
-        )
-        row = cursor.fetchone()
-    if row is None:
-        return None
+# A session as a worker reads it (TurnSession), alone or with the claim of one of its turns.
+_TURN_SESSION_COLUMNS = "s.public_id, tn.name, s.agent_id, a.updated_at, s.options, s.server_tools, s.client_tools"
+_TURN_SESSION_JOINS = f"{S} s JOIN {A} a ON a.id = s.agent_id JOIN {TENANT} tn ON tn.id = s.tenant_id"
+
+
+def _turn_session(row) -> TurnSession | None:
     public_id, tenant, agent_id, revision, options, server_tools, client_tools = row
+    if public_id is None:
+        return None
     return TurnSession(
         public_id, tenant, agent_id, revision, _json(options) or {}, _json(server_tools), _json(client_tools)
     )
+
+
+def session_for_turn(session_pk: int) -> TurnSession | None:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {_TURN_SESSION_COLUMNS} FROM {_TURN_SESSION_JOINS} WHERE s.id = %s", [session_pk])
+        row = cursor.fetchone()
+    return _turn_session(row) if row else None
 
 
 def update_session(session_pk: int, **fields) -> None:
@@ -213,15 +218,30 @@ class ClaimedTurn:
     stream: str
     permissions: list
     waited: float = 0.0  # seconds from its acceptance to this claim
+    session: TurnSession | None = None  # read with the claim (PostgreSQL); else session_for_turn
 
 
 # What a claim returns, then _claimed builds the ClaimedTurn from.
 _CLAIMED_COLUMNS = "session_id, stream, permissions, created_at"
 
 
+def _with_session(update: str) -> str:
+    """On PostgreSQL a claim's UPDATE also reads its session's row (the claimed columns, then
+    _TURN_SESSION_COLUMNS): the worker needs it next, and it costs no round trip of its own."""
+    if connection.vendor != "postgresql":
+        return update
+    return f"WITH c AS ({update}) SELECT c.*, {_TURN_SESSION_COLUMNS} FROM c LEFT JOIN ({_TURN_SESSION_JOINS}) ON s.id = c.session_id"
+
+
 def _claimed(row, started: datetime) -> ClaimedTurn:
-    session_pk, stream, permissions, created_at = row
-    return ClaimedTurn(session_pk, stream, _json(permissions) or [], (started - _datetime(created_at)).total_seconds())
+    session_pk, stream, permissions, created_at = row[:4]
+    return ClaimedTurn(
+        session_pk,
+        stream,
+        _json(permissions) or [],
+        (started - _datetime(created_at)).total_seconds(),
+        _turn_session(row[4:]) if len(row) > 4 else None,
+    )
 
 
 def waiting(alias: str) -> str:
@@ -238,8 +258,11 @@ def claim_turn(turn_id: str, *, waiting_only: bool = False) -> ClaimedTurn | Non
     undispatched = " AND dispatched_at IS NULL" if waiting_only else ""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s, dispatched_at = COALESCE(dispatched_at, %s) "
-            f"WHERE id = %s AND status = %s{undispatched} RETURNING {_CLAIMED_COLUMNS}",
+            _with_session(
+                f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s, "
+                f"dispatched_at = COALESCE(dispatched_at, %s) "
+                f"WHERE id = %s AND status = %s{undispatched} RETURNING {_CLAIMED_COLUMNS}"
+            ),
             [Turn.RUNNING, now, now, now, turn_id, Turn.QUEUED],
         )
         row = cursor.fetchone()
@@ -260,10 +283,12 @@ def claim_first(turn_ids: list[str]) -> tuple[str, ClaimedTurn] | None:
     now = connection.ops.adapt_datetimefield_value(started)
     with connection.cursor() as cursor:
         cursor.execute(
-            f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s, dispatched_at = %s "
-            f"WHERE id = (SELECT w.id FROM {T} w WHERE w.id = ANY(%s) AND {waiting('w')} "
-            f"ORDER BY array_position(%s, w.id::text) LIMIT 1 FOR UPDATE SKIP LOCKED) "
-            f"RETURNING id, {_CLAIMED_COLUMNS}",
+            _with_session(
+                f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s, dispatched_at = %s "
+                f"WHERE id = (SELECT w.id FROM {T} w WHERE w.id = ANY(%s) AND {waiting('w')} "
+                f"ORDER BY array_position(%s, w.id::text) LIMIT 1 FOR UPDATE SKIP LOCKED) "
+                f"RETURNING id, {_CLAIMED_COLUMNS}"
+            ),
             [Turn.RUNNING, now, now, now, turn_ids, turn_ids],
         )
         row = cursor.fetchone()

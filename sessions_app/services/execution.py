@@ -141,7 +141,7 @@ def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn, marked: bool
             events.backend().clear_dispatched_sync(turn_id)
         except Exception:
             pass  # the mark expires by itself
-    session = _with_db_retry(turn_store.session_for_turn, claimed.session_pk)
+    session = claimed.session or _with_db_retry(turn_store.session_for_turn, claimed.session_pk)
     if session is None:
         return True
     bind_log_context(tenant=session.tenant_name, session=session.public_id)
