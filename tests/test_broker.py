@@ -34,7 +34,8 @@ def app_and_queue():
     queue = f"aap-broker-test-{uuid.uuid4().hex}"  # no worker consumes it
     client = redis.Redis.from_url(url)
     yield app, queue, client
-    client.delete(queue)
+    # The queue and the bindings Kombu declared for it (send_task declares its queue).
+    client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
     app.close()
 
 
