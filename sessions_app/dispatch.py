@@ -144,7 +144,7 @@ def take_next() -> tuple[str, turn_store.ClaimedTurn] | None:
     except Exception as exc:
         logger.warning("waiting turns could not be dispatched now (%s)", type(exc).__name__)
         return None
-    dispatch_next()  # contended: the chooser's lock settles it
+    dispatch_next(wait=False)  # contended: the chooser settles it, unless one is at work already
     return None
 
 
@@ -257,7 +257,12 @@ def dispatch(turn_id: str, *, node: str | None = None, room: Room | None = None)
             # first of them). A turn ending as this one was stored (neither saw the other)
             # leaves its slot to the worker's next heartbeat round (liveness), which fills it.
             return False
-        return turn_id in dispatch_next()
+        # A slot looks free while others wait: mostly a worker thread between two turns,
+        # about to claim the next itself. The chooser settles it unless another one is at
+        # work already; then this request does not queue behind it (at saturation that wait
+        # was most of the chooser's cost). Should that one have read the turns before this
+        # one was committed, the next turn accepted, or a worker's heartbeat round, chooses.
+        return turn_id in dispatch_next(wait=False)
     try:
         schedule_store.mark_dispatched([turn_id])
     except Exception as exc:
@@ -266,25 +271,32 @@ def dispatch(turn_id: str, *, node: str | None = None, room: Room | None = None)
     return _send(turn_id, node)
 
 
-def dispatch_next() -> list[str]:
+def dispatch_next(*, wait: bool = True) -> list[str]:
     """Fill the free worker slots with waiting turns chosen fairly; returns their ids. Never
-    raises: a turn not dispatched now stays queued and waits for the next chance."""
+    raises: a turn not dispatched now stays queued and waits for the next chance. `wait`:
+    queue behind a chooser at work in another thread or process; else leave it to that one."""
     try:
-        chosen = choose_next()
+        chosen = choose_next(wait=wait)
     except Exception as exc:
         logger.warning("waiting turns could not be dispatched now (%s)", type(exc).__name__)
         return []
     return [turn_id for turn_id in chosen if _send(turn_id)]
 
 
-def choose_next() -> list[str]:
-    """Mark the waiting turns that take the free worker slots as dispatched; their ids."""
+def choose_next(*, wait: bool = True) -> list[str]:
+    """Mark the waiting turns that take the free worker slots as dispatched; their ids.
+    Nothing when another chooser holds the lock and `wait` is false."""
     if not schedule_store.any_waiting():
         return []
     with transaction.atomic():
         if connection.vendor == "postgresql":
             with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_DISPATCH_LOCK])
+                if wait:
+                    cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_DISPATCH_LOCK])
+                else:
+                    cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [_DISPATCH_LOCK])
+                    if not cursor.fetchone()[0]:
+                        return []
         since = timezone.now() - timedelta(seconds=worker_stale_seconds())
         in_flight, waiting, _, slots = schedule_store.room_for("", 0, since)
         free = capacity(slots) - in_flight

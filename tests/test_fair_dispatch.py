@@ -226,3 +226,35 @@ def test_the_statement_ending_a_turn_says_whether_others_wait():
         running, stop_reason="end_turn", cancelled=False, error="", prompt_tokens=0, completion_tokens=0, model_calls=0
     )
     assert again is None
+
+
+def test_a_request_does_not_queue_behind_a_chooser_at_work(monkeypatch):
+    """The chooser's lock is held elsewhere (another process choosing right now): the web
+    request that found a slot free leaves the choice to it instead of waiting (the periodic
+    callers, a worker's heartbeat round and the sweep, still wait for their turn at the lock)."""
+    import time
+
+    import psycopg
+    from django.db import connection
+
+    from sessions_app import dispatch, schedule_store
+    from sessions_app.models import Turn
+
+    (waiting,) = _turns(_tenant(), 1)
+    others = [t for t, _ in schedule_store.fair_order(100_000, 0) if t != waiting]
+    in_flight = schedule_store.slots_in_use()[0]
+    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: in_flight + len(others) + 1)
+    db = connection.settings_dict
+    with psycopg.connect(host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], dbname=db["NAME"]) as holder:
+        holder_pid = holder.info.backend_pid
+        holder.execute("SELECT pg_advisory_lock(%s)", [dispatch._DISPATCH_LOCK])
+        assert dispatch.choose_next(wait=False) == []  # at once: another chooser is at work
+        assert Turn.objects.get(id=waiting).dispatched_at is None
+    with connection.cursor() as cursor:  # the holder's backend is gone before the test database is dropped
+        for _ in range(100):
+            cursor.execute("SELECT pg_stat_clear_snapshot()")  # else read once per transaction
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [holder_pid])
+            if not cursor.fetchone()[0]:
+                break
+            time.sleep(0.02)
+    assert waiting in dispatch.choose_next(wait=False)  # nobody else choosing: this one does
