@@ -245,7 +245,9 @@ def test_a_request_does_not_queue_behind_a_chooser_at_work(monkeypatch):
     in_flight = schedule_store.slots_in_use()[0]
     monkeypatch.setattr(dispatch, "capacity", lambda counted=None: in_flight + len(others) + 1)
     db = connection.settings_dict
-    with psycopg.connect(host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], dbname=db["NAME"]) as holder:
+    with psycopg.connect(
+        host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], password=db["PASSWORD"] or None, dbname=db["NAME"]
+    ) as holder:
         holder_pid = holder.info.backend_pid
         holder.execute("SELECT pg_advisory_lock(%s)", [dispatch._DISPATCH_LOCK])
         assert dispatch.choose_next(wait=False) == []  # at once: another chooser is at work
