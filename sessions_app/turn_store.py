@@ -399,22 +399,31 @@ def insert_message_rows(rows: list[tuple]) -> None:
             )
 
 
-def compacted_history_after(session_pk: int, after_seq: int) -> tuple[int, int, list[tuple[int, str, str | None, int]]]:
-    """In one statement (one snapshot): how many compacted rows are at or before `after_seq`
-    and their highest row id (what a kept copy of them checks: compaction deletes and inserts
-    there, and an inserted row always has a higher id), then the rows after it as
-    (seq, JSON text, turn id, row id), in order."""
+def compacted_history_after(
+    session_pk: int, after_seq: int
+) -> tuple[tuple[int, int] | None, tuple[int, int] | None, list[tuple[int, str, str | None, int]]]:
+    """In one statement (one snapshot): the (seq, row id) of the session's first compacted row
+    and of its last one at or before `after_seq` (what a kept copy of them checks, with two
+    index probes however long the history: compaction deletes rows at the start and inserts
+    any summary there with new ids; a lost turn's recovered output is replaced at the end with
+    new ids), then the rows after `after_seq` as (seq, JSON text, turn id, row id), in order."""
+    first = f"FROM {M} WHERE session_id = %s AND kind = %s ORDER BY seq LIMIT 1"
+    last = f"FROM {M} WHERE session_id = %s AND kind = %s AND seq <= %s ORDER BY seq DESC LIMIT 1"
     with connection.cursor() as cursor:
         cursor.execute(
-            f"WITH head AS (SELECT count(*) AS n, coalesce(max(id), 0) AS top FROM {M} "
-            f"WHERE session_id = %s AND kind = %s AND seq <= %s) "
-            f"SELECT head.n, head.top, m.seq, m.data, m.turn_id, m.id FROM head "
+            f"WITH head AS (SELECT (SELECT seq {first}) AS fs, (SELECT id {first}) AS fi, "
+            f"(SELECT seq {last}) AS ls, (SELECT id {last}) AS li) "
+            f"SELECT head.fs, head.fi, head.ls, head.li, m.seq, m.data, m.turn_id, m.id FROM head "
             f"LEFT JOIN {M} m ON m.session_id = %s AND m.kind = %s AND m.seq > %s ORDER BY m.seq",
-            [session_pk, Message.COMPACTED, after_seq, session_pk, Message.COMPACTED, after_seq],
+            [session_pk, Message.COMPACTED] * 2 + [session_pk, Message.COMPACTED, after_seq] * 3,
         )
         rows = cursor.fetchall()
-    count, top = rows[0][0], rows[0][1]
-    return count, top, [(seq, data, turn, row_id) for _, _, seq, data, turn, row_id in rows if seq is not None]
+    head = rows[0]
+    return (
+        (head[0], head[1]) if head[0] is not None else None,
+        (head[2], head[3]) if head[2] is not None else None,
+        [(seq, data, turn, row_id) for *_, seq, data, turn, row_id in rows if seq is not None],
+    )
 
 
 def drop_compacted_before(session_pk: int, cutoff: int) -> None:

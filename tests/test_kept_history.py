@@ -14,7 +14,7 @@ from django.test.utils import CaptureQueriesContext
 from agents.runtimes.base import Compaction
 from hosting.models import Tenant
 from sessions_app import turn_store
-from sessions_app.models import Session
+from sessions_app.models import Message, Session
 from sessions_app.services.history import apply_compaction
 from sessions_app.services.kept_history import KeptHistories
 from sessions_app.services.sessions import session_create
@@ -100,6 +100,24 @@ def test_a_window_that_drops_the_oldest_rows_is_followed_without_reading_again(s
     assert kept.parsed_last == 1  # only the new question was read
     assert rows == KeptHistories().load(session_pk, turn_id)[0]
     assert len(rows) == 5 and incoming == [{"role": "user", "content": "question 6"}]
+
+
+def test_rows_replaced_at_the_end_are_noticed_and_the_history_read_again(session_pk):
+    """A lost turn whose worker finished after all has its recovered output replaced by the
+    real one: the same positions, new rows. A kept copy that holds the old rows is stale."""
+    kept, session = KeptHistories(), Session_(session_pk)
+    for number in range(1, 4):
+        turn_id = session.start_turn(f"question {number}")
+        session.answer(f"answer {number}")
+    rows, _ = kept.load(session_pk, turn_id)
+    Message.objects.filter(session_id=session_pk, seq=session.seq).delete()
+    turn_store.insert_messages(session_pk, session.seq, [{"role": "assistant", "content": "the real answer"}])
+    turn_id = session.start_turn("question 4")
+    rows, incoming = kept.load(session_pk, turn_id)
+    assert kept.parsed_last == len(rows)  # read again
+    assert rows == KeptHistories().load(session_pk, turn_id)[0]
+    assert rows[-2][1] == {"role": "assistant", "content": "the real answer"}
+    assert incoming == [{"role": "user", "content": "question 4"}]
 
 
 def test_planning_the_same_turn_again_still_finds_its_messages(session_pk):

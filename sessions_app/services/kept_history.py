@@ -1,17 +1,21 @@
 """A worker's copy of each recent session's compacted history, parsed, so a turn reads and
 parses only the rows its session gained since this process last ran one of its turns.
 
-A kept copy is used only when the rows it was built from are still there: the same highest
-row id among the compacted rows at or before its last position, and no more of them
-(history only grows at its end; compaction deletes rows at its start and inserts any
-summary there, always with new, higher ids). Fewer rows with the same highest id mean a
-window dropped the oldest: the kept copy's last ones are what is left. Otherwise the whole
-history is read again.
+A kept copy is used only when the rows it was built from are still there, checked with two
+index probes whatever the history's length: the session's first compacted row and its last
+one at or before the copy's end must be rows of the copy (the same position and row id).
+History only grows at its end; compaction deletes rows at its start and inserts any summary
+there, always with new, higher ids; a lost turn whose worker finished after all has its
+recovered output replaced at the end, with new ids too. So a first row that is one of the
+copy's means nothing was inserted before it (a window that dropped the oldest rows leaves
+the copy's rows from there on), and a last row that is the copy's last means nothing at its
+end was replaced. Otherwise the whole history is read again.
 The copy is only ever read: each turn gets new lists.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import threading
 from collections import OrderedDict
@@ -25,9 +29,19 @@ BEFORE_EVERYTHING = -(2**62)
 
 @dataclass(frozen=True)
 class _Kept:
-    rows: tuple[tuple[int, dict, str | None], ...]  # (seq, message, turn id) in order
-    last_seq: int
-    top_id: int
+    seqs: tuple[int, ...]  # in order
+    messages: tuple[dict, ...]
+    turns: tuple[str | None, ...]  # the turn id each row was stored with
+    ids: tuple[int, ...]  # row ids
+
+    def start_of(self, first: tuple[int, int] | None, last: tuple[int, int] | None) -> int | None:
+        """Where the rows still there begin in this copy, or None when the copy is stale."""
+        if first is None or last is None or last != (self.seqs[-1], self.ids[-1]):
+            return None
+        index = bisect.bisect_left(self.seqs, first[0])
+        if index == len(self.seqs) or (self.seqs[index], self.ids[index]) != first:
+            return None
+        return index
 
 
 class KeptHistories:
@@ -41,30 +55,31 @@ class KeptHistories:
         """The session's compacted history as (seq, message), and the messages of `turn_id` in it."""
         with self._lock:
             kept = self._kept.pop(session_pk, None)
-        rows: list[tuple[int, dict, str | None]] = []
+        start = None
         if kept is not None:
-            count, top, new = turn_store.compacted_history_after(session_pk, kept.last_seq)
-            if top == kept.top_id and count <= len(kept.rows):
-                # Unchanged, or compaction only dropped rows at the start (a window): the
-                # rows left are the kept copy's last `count`. A summary inserted moves `top`.
-                rows = list(kept.rows[len(kept.rows) - count :]) if count else []
-            else:
-                kept = None
-        if kept is None:
+            first, last, new = turn_store.compacted_history_after(session_pk, kept.seqs[-1])
+            start = kept.start_of(first, last)
+        if kept is None or start is None:
+            kept, start = None, 0
             _, _, new = turn_store.compacted_history_after(session_pk, BEFORE_EVERYTHING)
-        top_id = kept.top_id if kept is not None else 0
+        seqs = list(kept.seqs[start:]) if kept else []
+        messages = list(kept.messages[start:]) if kept else []
+        turns = list(kept.turns[start:]) if kept else []
+        ids = list(kept.ids[start:]) if kept else []
         for seq, data, row_turn, row_id in new:
-            rows.append((seq, json.loads(data), row_turn))
-            top_id = max(top_id, row_id)
+            seqs.append(seq)
+            messages.append(json.loads(data))
+            turns.append(row_turn)
+            ids.append(row_id)
         self.parsed_last = len(new)
-        if rows:
+        if seqs:
             with self._lock:
-                self._kept[session_pk] = _Kept(tuple(rows), rows[-1][0], top_id)
+                self._kept[session_pk] = _Kept(tuple(seqs), tuple(messages), tuple(turns), tuple(ids))
                 while len(self._kept) > self.size:
                     self._kept.popitem(last=False)
         # (a retried plan of the same turn finds its rows in the kept copy: look at all of them)
-        incoming = [message for _, message, row_turn in rows if row_turn == turn_id]
-        return [(seq, message) for seq, message, _ in rows], incoming
+        incoming = [message for message, row_turn in zip(messages, turns) if row_turn == turn_id]
+        return list(zip(seqs, messages)), incoming
 
     def clear(self) -> None:
         with self._lock:
