@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from agents.runtimes.openai import OpenAIRuntime
+from agents.runtimes.openai import OpenAIRuntime, conversion, state
 from agents.runtimes.openai.conversion import to_chat
 from tests.fakes.openai_server import FakeOpenAI
 
@@ -59,10 +59,19 @@ def model():
 
 
 def run_session(
-    runtime: OpenAIRuntime, model: FakeOpenAI, session: str, turns: int, *, system: str = "", first: int = 1
+    runtime: OpenAIRuntime,
+    model: FakeOpenAI,
+    session: str,
+    turns: int,
+    *,
+    system: str = "",
+    first: int = 1,
+    encoded: list | None = None,
 ) -> dict:
     """Turns `first` to `turns` of one session (the history of the turns before `first` as if
-    they had run elsewhere); returns {turn number: (messages converted, request sent)}."""
+    they had run elsewhere); returns {turn number: (messages converted, request sent)}, and
+    with `encoded` (the list a counting JSON encoder appends to) the JSON texts each turn made
+    as a third item."""
     history: list[dict] = []
     for number in range(1, first):
         history.append({"role": "user", "content": f"question {number}"})
@@ -78,6 +87,9 @@ def run_session(
             text = "".join(e["delta"] for e in ctx.events if e["event"] == "text_delta")
             history.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
             seen[number] = (runtime.converted_last, model.chat_requests()[-1]["json"]["messages"])
+            if encoded is not None:
+                seen[number] += (len(encoded),)
+                encoded.clear()
             model.clear()
 
     asyncio.run(go())
@@ -97,6 +109,27 @@ def test_turn_1000_converts_what_turn_10_converts_and_sends_the_whole_history(mo
     ctx = Ctx("other", history[:-1], {"systemPrompt": "Be brief."}, {})
     assert seen[1000][1] == to_chat(ctx, history[:-1])  # what a full conversion gives
     assert len(seen[1000][1]) == 1 + 1999
+
+
+def test_turn_1000_encodes_the_request_body_turn_10_encodes(model, monkeypatch):
+    """The kept conversion keeps each message's JSON text: a turn's request body encodes its
+    new messages and the request's other fields, not the session's whole history."""
+    encoded: list = []
+    real = conversion.message_json
+
+    def counting(value):
+        encoded.append(value)
+        return real(value)
+
+    monkeypatch.setattr(conversion, "message_json", counting)
+    monkeypatch.setattr(state, "message_json", counting)
+    runtime = OpenAIRuntime()
+    short, _ = run_session(runtime, model, "s-short", 10, system="Be brief.", encoded=encoded)
+    seen, history = run_session(runtime, model, "s-long", 1000, system="Be brief.", first=998, encoded=encoded)
+    assert seen[998][2] > 1995  # new to this process: every message once
+    assert seen[999][2] == seen[1000][2] == short[10][2] <= 5  # the lead, 2 new messages, the other fields
+    ctx = Ctx("other", history[:-1], {"systemPrompt": "Be brief."}, {})
+    assert seen[1000][1] == to_chat(ctx, history[:-1])  # the body still carries the whole history
 
 
 def test_a_history_that_changed_at_its_start_is_converted_again(model):

@@ -131,17 +131,18 @@ async def check_endpoint(base_url) -> None:
         raise AgentError(str(exc)) from None
 
 
-async def chat_completion(client: openai.AsyncOpenAI, body: dict, *, stream: bool):
+async def chat_completion(client: openai.AsyncOpenAI, body: dict | bytes, *, stream: bool):
     """POST /chat/completions with `body` sent as it is (the SDK's documented `post` for raw
     requests). `chat.completions.create()` first walks every message of the history through
     the SDK's type-driven transform: milliseconds per call that grow with the session (43 ms at
     400 messages), where the body built here is already plain JSON. A streamed reply's chunks
     come back as plain JSON objects too (`AsyncStream[object]`): building the SDK's typed
     model of every chunk was the largest part of a short turn's CPU in the runtime. The SDK
-    still does the rest: authentication, retries, timeouts, errors and the SSE framing."""
+    still does the rest: authentication, retries, timeouts, errors and the SSE framing. A body
+    already encoded (bytes, Turn.chat_body) is sent as it is."""
     return await client.post(
         "/chat/completions",
-        body=body,
+        **({"content": body} if isinstance(body, bytes) else {"body": body}),
         cast_to=ChatCompletion,
         stream=stream,
         stream_cls=openai.AsyncStream[object] if stream else None,

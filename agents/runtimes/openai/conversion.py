@@ -31,6 +31,11 @@ def function_tools(ctx: TurnContext) -> list[dict]:
     ]
 
 
+def message_json(value) -> str:
+    """JSON text as a request body carries it (the SDK's own settings: compact, UTF-8, no NaN)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
 def estimate_tokens(chat: list[dict]) -> int:
     """A provider-independent estimate of a prompt's size (about four characters a token)."""
     chars, images = _size(chat)
@@ -69,7 +74,8 @@ class ChatBuilder:
     def __init__(self, ctx: TurnContext):
         self.accepted = ctx.capabilities.get("image", {})
         self.system = [ctx.config["systemPrompt"]] if ctx.config.get("systemPrompt") else []
-        self.chat: list[dict] = []
+        self.chat: list[dict] = []  # only ever appended to; its entries are never changed
+        self._json: list[str] = []  # the JSON text of chat's first entries, once each
         self.open_calls: list[str] = []
         self.tool_images: list[dict] = []
         self.started = False
@@ -155,6 +161,13 @@ class ChatBuilder:
             elif not text:
                 return  # e.g. only thinking: nothing the provider needs
             self._append(entry)
+
+    def json_of(self, count: int) -> list[str]:
+        """The JSON text of the first `count` converted messages: each is encoded once over the
+        builder's life, so a kept builder's request costs what its new messages cost."""
+        for entry in self.chat[len(self._json) : count]:
+            self._json.append(message_json(entry))
+        return self._json[:count]
 
     def result(self) -> tuple[list[dict], int]:
         """The messages of a request and their token estimate; the builder is left as it was

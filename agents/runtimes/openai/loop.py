@@ -132,14 +132,14 @@ class OpenAIRuntime(Runtime):
         ctx = turn.ctx
         limit = int(ctx.config.get("maxModelCalls", DEFAULTS["maxModelCalls"]))
         tools = function_tools(ctx)
-        turn.chat, turn.chat_tokens = self._history_chat(ctx)
+        turn.chat, turn.chat_tokens, turn.kept = self._history_chat(ctx)
         calls = 0
         while True:
             if calls >= limit:
                 ctx.set_stop_meta(modelCallLimit=limit)
                 return "max_tokens"
             if prompt_size(turn, tools) > turn.budget and await compact(turn):
-                turn.chat = to_chat(ctx, turn.view())
+                turn.chat, turn.kept = to_chat(ctx, turn.view()), None
             calls += 1
             reply = await self._call(turn, tools)
             if reply.refused:
@@ -150,9 +150,10 @@ class OpenAIRuntime(Runtime):
                 continue
             return {"length": "max_tokens", "content_filter": "refusal"}.get(reply.finish or "", "end_turn")
 
-    def _history_chat(self, ctx: TurnContext) -> tuple[list[dict], int]:
-        """The turn's history in the model's format and its token estimate, converting only the
-        messages added since this process last saw the session (all of them on a miss).
+    def _history_chat(self, ctx: TurnContext) -> tuple[list[dict], int, tuple[int, int, ChatBuilder]]:
+        """The turn's history in the model's format, its token estimate and where the builder's
+        messages are in it (Turn.kept), converting only the messages added since this process
+        last saw the session (all of them on a miss).
 
         A kept conversion is used only when the history still starts with what it was built
         from (the same first, middle and last messages at the same places: history only grows
@@ -176,7 +177,7 @@ class OpenAIRuntime(Runtime):
             self._chats[ctx.session_id] = (setup, _probes(history, builder.fed), builder)
             while len(self._chats) > HISTORIES_KEPT:
                 self._chats.popitem(last=False)
-        return chat, tokens
+        return chat, tokens, (1 if builder.system else 0, len(builder.chat), builder)
 
     async def _emit(self, turn: Turn, event: dict) -> None:
         turn.log.append(event)
@@ -186,9 +187,10 @@ class OpenAIRuntime(Runtime):
     async def _call(self, turn: Turn, tools: list[dict]) -> Reply:
         """One streamed model call: deltas are emitted as they come, tool calls joined per index."""
         reply = Reply()
-        request = turn.request(turn.chat, stream=True, stream_options={"include_usage": True})
+        extra: dict = {"stream": True, "stream_options": {"include_usage": True}}
         if tools:
-            request["tools"] = tools
+            extra["tools"] = tools
+        request = turn.chat_body(**extra)
         try:
             stream = await chat_completion(turn.client, request, stream=True)
             # Leaving this block (end, error or the turn's cancellation) closes the upstream stream.

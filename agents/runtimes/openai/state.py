@@ -10,6 +10,7 @@ import openai
 from aap.messages import fold
 
 from ..base import TurnContext
+from .conversion import ChatBuilder, message_json
 
 DEFAULTS = {
     "timeoutSeconds": 60.0,
@@ -53,6 +54,9 @@ class Turn:
     measured: int | None = None  # tokens the provider reported for the last call (prompt + completion)
     measured_at: int = 0  # len(chat) when `measured` was taken
     chat_tokens: int | None = None  # the estimate of `chat` as the turn began (kept with the history's conversion)
+    # chat[start : start + count] are the first `count` messages of this builder (the session's
+    # kept conversion), whose JSON it keeps; None once `chat` is rebuilt (a compaction).
+    kept: tuple[int, int, ChatBuilder] | None = None
 
     def history(self) -> list[dict]:
         """The compacted history as services will store it: history so far + this turn's messages."""
@@ -61,6 +65,27 @@ class Turn:
     def view(self) -> list[dict]:
         """What the model sees: the summary, then the history it does not replace."""
         return self.summary + self.history()[self.dropped :]
+
+    def chat_body(self, **extra) -> dict | bytes:
+        """The request of a model call on `chat`. As bytes when the kept conversion still opens
+        it: its messages' JSON is reused, so encoding the body costs what the messages new
+        since the last turn cost, not the session's length (the SDK sends bytes as they are)."""
+        request = self.request(self.chat, **extra)
+        if self.kept is None or request["messages"] is not self.chat:
+            return request  # (an extraBody that sets the messages itself)
+        start, count, builder = self.kept
+        chat = self.chat
+        if count and (
+            len(chat) < start + count
+            or chat[start] is not builder.chat[0]
+            or chat[start + count - 1] is not builder.chat[count - 1]
+        ):
+            return request
+        texts = [message_json(m) for m in chat[:start]] + builder.json_of(count)
+        texts += [message_json(m) for m in chat[start + count :]]
+        rest = {key: value for key, value in request.items() if key != "messages"}
+        tail = "," + message_json(rest)[1:] if rest else "}"
+        return ('{"messages":[' + ",".join(texts) + "]" + tail).encode()
 
     def request(self, messages: list[dict], **extra) -> dict:
         """The chat completion request body, as it goes on the wire (extraBody merged in)."""
