@@ -295,7 +295,8 @@ AAP_AUTH_CACHE_SECONDS = env_float("AAP_AUTH_CACHE_SECONDS", 5.0)
 # Per-turn output bounds (sessions_app.turn_output): stream entries and text bytes.
 AAP_TURN_MAX_EVENTS = env_int("AAP_TURN_MAX_EVENTS", 10000)
 AAP_TURN_MAX_OUTPUT_BYTES = env_int("AAP_TURN_MAX_OUTPUT_BYTES", 4 * 1024 * 1024)
-# While a turn's events wait for Redis, tiny deltas join for up to this long into one entry.
+# While a turn's events wait for Redis, tiny deltas join for up to this long into one entry;
+# a turn whose entries have waited this long behind a write joins its new deltas (backpressure).
 AAP_TURN_COALESCE_SECONDS = env_float("AAP_TURN_COALESCE_SECONDS", 0.02)
 
 # --- DRF and the OpenAPI document --------------------------------------------------------

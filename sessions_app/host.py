@@ -133,6 +133,8 @@ class TurnOutcome:
 
 # A runtime emitting without awaiting anything gives the loop back at least this often.
 YIELD_SECONDS = 0.002
+# How often a running turn's writes set its stream's expiry again (see RedisEvents.publish_many).
+EXPIRE_EVERY_SECONDS = 10.0
 
 
 class _Publisher:
@@ -141,6 +143,13 @@ class _Publisher:
     `turn_start` (event 1) was published by the web process when it created the turn.
     Events are written by one background flusher in pipelined batches, so a runtime never
     waits for Redis between deltas and order is kept.
+
+    Backpressure: once the entries waiting behind a write of this turn still in flight have
+    waited `AAP_TURN_COALESCE_SECONDS`, a new delta joins the delta waiting last
+    (turn_output.DeltaRuns; the fold is the same). A turn whose writes keep up sends every
+    delta as its own entry; when the process falls behind (a burst of turns, a slow Redis),
+    a write round carries one entry per run of deltas however many tokens the model sent
+    meanwhile, so Redis, the web process and the client do less exactly when they are behind.
     """
 
     def __init__(self, turn_id: str, mode: str):
@@ -152,15 +161,28 @@ class _Publisher:
         self.backend = events.backend()
         self._queue = DeltaRuns()
         self._flusher: asyncio.Task | None = None
+        self._writing = False  # a batch of this turn is on its way to Redis
+        self._waiting_since = 0.0  # when the oldest entry not yet taken by a write was queued
+        self._expired_at: float | None = None
         self._yielded: float | None = None
 
+    def _behind(self) -> bool:
+        return (
+            self._writing
+            and bool(self._queue)
+            and time.monotonic() - self._waiting_since >= settings.AAP_TURN_COALESCE_SECONDS
+        )
+
     def _send(self, event: dict, *, last: bool = False) -> None:
-        # A long turn's deltas still waiting for Redis join into one entry (turn_output).
-        if self.seq > JOIN_AFTER_ENTRIES and self._queue.join(event, JOINED_CHARS):
+        # A long turn's waiting deltas, and those of a turn whose writes fall behind, join
+        # into one entry (turn_output).
+        if (self.seq > JOIN_AFTER_ENTRIES or self._behind()) and self._queue.join(event, JOINED_CHARS):
             return
         if not last:
             self.budget.add_entry()
         self.seq += 1
+        if not self._queue:
+            self._waiting_since = time.monotonic()
         self._queue.append(self.seq, event)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
@@ -168,10 +190,17 @@ class _Publisher:
     async def _flush(self) -> None:
         while self._queue:
             batch = self._queue.take()
+            now = time.monotonic()
+            expire = self._expired_at is None or now - self._expired_at >= EXPIRE_EVERY_SECONDS
+            self._writing = True
             try:
-                await self.backend.publish_many(self.turn_id, batch)
+                await self.backend.publish_many(self.turn_id, batch, expire=expire)
+                if expire:
+                    self._expired_at = now
             except Exception as exc:  # a live view can miss events; history cannot
                 logger.warning("publishing events of %s failed: %s", self.turn_id, type(exc).__name__)
+            finally:
+                self._writing = False
             if self._queue and self.seq > JOIN_AFTER_ENTRIES:
                 # The turn streams faster than Redis writes: let its tiny deltas join a while.
                 await asyncio.sleep(settings.AAP_TURN_COALESCE_SECONDS)

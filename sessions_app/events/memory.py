@@ -58,7 +58,7 @@ class MemoryEvents:
         for loop, watcher in waiters:
             loop.call_soon_threadsafe(watcher.wake.set)
 
-    async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]]) -> None:
+    async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]], *, expire: bool = True) -> None:
         for seq, event in batch:
             self.publish_sync(turn_id, seq, event)
 

@@ -112,13 +112,13 @@ class _PublishBatcher:
 
     def __init__(self, client):
         self.client = client
-        self.pending: list[tuple[str, list[tuple[int, dict]], asyncio.Future]] = []
+        self.pending: list[tuple[str, list[tuple[int, dict]], bool, asyncio.Future]] = []
         self.writer: asyncio.Task | None = None
 
-    async def publish(self, turn_id: str, batch: list[tuple[int, dict]]) -> None:
+    async def publish(self, turn_id: str, batch: list[tuple[int, dict]], expire: bool) -> None:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self.pending.append((turn_id, batch, done))
+        self.pending.append((turn_id, batch, expire, done))
         if self.writer is None or self.writer.done():
             self.writer = loop.create_task(self._write())
         await done
@@ -127,24 +127,25 @@ class _PublishBatcher:
         while self.pending:  # what arrives during a round trip goes in the next pipeline
             work, self.pending = self.pending, []
             pipe = self.client.pipeline(transaction=False)
-            for turn_id, batch, _ in work:
-                for seq, event in batch:
-                    pipe.xadd(stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
-                pipe.publish(notify_channel(turn_id), json.dumps(batch))
-            # A stream recreated after a Redis restart gets an expiry too (its turn_start had it).
-            for turn_id in {turn_id for turn_id, _, _ in work}:
-                pipe.expire(stream_key(turn_id), live_stream_ttl())
+            for turn_id, batch, expire, _ in work:
+                encoded = [(seq, json.dumps(event)) for seq, event in batch]  # once, for both writes
+                for seq, text in encoded:
+                    pipe.xadd(stream_key(turn_id), {"e": text}, id=f"0-{seq}")
+                pipe.publish(notify_channel(turn_id), "[" + ",".join(f"[{seq},{text}]" for seq, text in encoded) + "]")
+                if expire:
+                    pipe.expire(stream_key(turn_id), live_stream_ttl())
             try:
                 results = await pipe.execute(raise_on_error=False)
             except Exception as exc:  # the connection failed: every caller of this round learns it
-                for _, _, done in work:
+                for *_, done in work:
                     if not done.done():
                         done.set_exception(exc)
                 continue
             position = 0
-            for _, batch, done in work:
-                mine = results[position : position + len(batch) + 1]
-                position += len(batch) + 1
+            for _, batch, expire, done in work:
+                size = len(batch) + 1 + expire
+                mine = results[position : position + size]
+                position += size
                 failed = next((r for r in mine if isinstance(r, Exception)), None)
                 if done.done():
                     continue  # its caller was cancelled meanwhile
@@ -169,9 +170,11 @@ class RedisEvents:
         return self.connections.aclient()
 
     # events
-    async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]]) -> None:
+    async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]], *, expire: bool = True) -> None:
+        """`expire`: set the stream's expiry again with these events (a stream recreated after
+        a Redis restart has none; the publisher asks for it now and then, not every batch)."""
         batcher = self._per_loop(self._batchers, lambda: _PublishBatcher(self.aclient()))
-        await batcher.publish(turn_id, batch)
+        await batcher.publish(turn_id, batch, expire)
 
     def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
         pipe = self.sync.pipeline(transaction=False)
