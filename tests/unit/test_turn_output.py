@@ -103,3 +103,62 @@ def test_a_turn_within_its_bounds_is_untouched(memory_events):
     outcome = asyncio.run(host.execute(_plan("hello there")))
     assert outcome.stop_reason == "end_turn" and "outputLimit" not in outcome.stop_meta
     assert [e["delta"] for _, e in memory_events.read_all_sync("turn_unit")] == ["echo: ", "hello ", "there"]
+
+
+class _SlowRedis:
+    """Records each write of a turn's events; a write stays in flight until `gate` is set."""
+
+    def __init__(self):
+        self.writes: list[tuple[list[tuple[int, dict]], bool]] = []
+        self.gate = asyncio.Event()
+
+    async def publish_many(self, turn_id, batch, *, expire=True):
+        self.writes.append((batch, expire))
+        await self.gate.wait()
+
+
+def test_deltas_that_wait_behind_a_slow_write_join_and_fold_the_same(settings, monkeypatch):
+    settings.AAP_TURN_COALESCE_SECONDS = 0.05
+    redis = _SlowRedis()
+    monkeypatch.setattr(events, "backend", lambda: redis)
+
+    async def go():
+        publisher = host._Publisher("turn_unit", "delta")
+        delta = lambda text: {"event": "text_delta", "delta": text}  # noqa: E731
+        await publisher.emit(delta("a"))
+        await asyncio.sleep(0)  # the first write starts and hangs
+        await publisher.emit(delta("b"))
+        await publisher.emit(delta("c"))  # waiting, but not long yet: its own entry
+        await asyncio.sleep(0.06)
+        await publisher.emit(delta("d"))  # behind: joins the delta waiting last
+        await publisher.emit(delta("e"))
+        redis.gate.set()
+        await publisher.close()
+        return publisher
+
+    publisher = asyncio.run(go())
+    assert [(batch, expire) for batch, expire in redis.writes] == [
+        ([(2, {"event": "text_delta", "delta": "a"})], True),
+        (
+            [(3, {"event": "text_delta", "delta": "b"}), (4, {"event": "text_delta", "delta": "cde"})],
+            False,  # the stream's expiry is set again only every EXPIRE_EVERY_SECONDS
+        ),
+    ]
+    assert publisher.seq == 4
+    assert fold([e for batch, _ in redis.writes for _, e in batch]) == fold(publisher.produced.events())
+
+
+def test_deltas_of_a_turn_whose_writes_keep_up_go_one_by_one(settings, monkeypatch):
+    redis = _SlowRedis()
+    redis.gate.set()
+    monkeypatch.setattr(events, "backend", lambda: redis)
+
+    async def go():
+        publisher = host._Publisher("turn_unit", "delta")
+        for text in "abcde":
+            await publisher.emit({"event": "text_delta", "delta": text})
+            await asyncio.sleep(0.01)
+        await publisher.close()
+
+    asyncio.run(go())
+    assert [e["delta"] for batch, _ in redis.writes for _, e in batch] == list("abcde")
