@@ -178,9 +178,57 @@ class LlmScenarios:
                     value=ratio,
                     target="≤ 1.2",
                     met=ratio <= 1.2,
-                    note=f"{n} turns in one session (FULL: 1,000)",
+                    note=f"{n} turns in one session (FULL: 1,000); minutes apart, so the machine's drift is in it",
                 )
             )
+        await self._paired(sid, n, block)
+
+    async def _paired(self, long_sid: str, n: int, block: int) -> None:
+        """The long session's next turns against turns 2–11 of new sessions, in alternating
+        groups of 10 within the same seconds: what the session's length costs, without the
+        drift of a shared machine between the first and the last turns above."""
+        group, errors = 10, Errors()
+        times: dict[str, list[float]] = {"long": [], "short": []}
+        spent: dict[str, dict[str, float]] = {"long": {}, "short": {}}
+        turn_of_long = n
+        for _ in range(max(1, block // group)):
+            short_sid = await self.session()
+            await self.api.turn(short_sid, "question 1: hello world")  # its first turn here: not measured
+            for kind in ("long", "short"):
+                before = self.cpu.snapshot()
+                for index in range(group):
+                    if kind == "long":
+                        turn_of_long += 1
+                    sid, number = (long_sid, turn_of_long) if kind == "long" else (short_sid, index + 2)
+                    t0 = time.perf_counter()
+                    try:
+                        await self.api.turn(sid, f"question {number}: hello world")
+                    except Exception as exc:
+                        errors.add(f"paired {kind} turn: {type(exc).__name__}: {exc}")
+                        continue
+                    times[kind].append(time.perf_counter() - t0)
+                cost = self.cpu.per_operation(before, self.cpu.snapshot(), group)
+                for key, value in cost.items():
+                    spent[kind][key] = spent[kind].get(key, 0.0) + value / max(1, block // group)
+        long_stats, short_stats = percentiles(times["long"]), percentiles(times["short"])
+        if not long_stats or not short_stats:
+            return
+        ratio = long_stats["p50"] / short_stats["p50"]
+        self.add(
+            Row(
+                "9",
+                f"LLM session, paired: turns after the {n}th ÷ turns 2–11 of new sessions, same seconds",
+                "x",
+                value=ratio,
+                n=len(times["long"]),
+                errors=errors.count,
+                error_samples=errors.samples,
+                target="≤ 1.2",
+                met=ratio <= 1.2,
+                note=f"p50 {long_stats['p50'] * MS:.1f} vs {short_stats['p50'] * MS:.1f} ms; long: "
+                f"{describe(spent['long'])}; short: {describe(spent['short'])}",
+            )
+        )
 
     # --- 10 ------------------------------------------------------------------------------------
 
