@@ -31,6 +31,12 @@ def session_pk():
     return Session.objects.get(public_id=created.public_id).pk
 
 
+def load(kept: KeptHistories, session_pk: int, turn_id: str) -> tuple[list[tuple[int, dict]], list[dict]]:
+    """The history as (seq, message) pairs, and the turn's messages."""
+    seqs, messages, incoming = kept.load(session_pk, turn_id)
+    return list(zip(seqs, messages)), incoming
+
+
 class Session_:
     """Appends turns the way the turn path stores them: the user's message with its turn id, then the answer."""
 
@@ -55,13 +61,13 @@ def test_turn_1000_reads_and_parses_what_turn_10_does(session_pk):
     for number in range(1, 1001):
         turn_id = session.start_turn(f"question {number}")
         with CaptureQueriesContext(connection) as queries:
-            rows, incoming = kept.load(session_pk, turn_id)
+            rows, incoming = load(kept, session_pk, turn_id)
         work[number] = (len(queries), kept.parsed_last)
         assert incoming == [{"role": "user", "content": f"question {number}"}]
         assert len(rows) == 2 * number - 1
         session.answer(f"answer {number}")
     assert work[10] == work[1000] == (1, 2)  # one statement; the last answer and the new question
-    fresh, _ = KeptHistories().load(session_pk, "none")
+    fresh, _ = load(KeptHistories(), session_pk, "none")
     assert rows == fresh[:-1]
 
 
@@ -69,9 +75,9 @@ def test_a_compaction_is_noticed_and_the_history_read_again(session_pk):
     kept, session = KeptHistories(), Session_(session_pk)
     for number in range(1, 6):
         turn_id = session.start_turn(f"question {number}")
-        rows, _ = kept.load(session_pk, turn_id)
+        rows, _ = load(kept, session_pk, turn_id)
         session.answer(f"answer {number}")
-    rows, _ = kept.load(session_pk, turn_id)
+    rows, _ = load(kept, session_pk, turn_id)
     # The oldest message alone replaced by a one-message summary: same count of rows before the cut.
     apply_compaction(
         session_pk,
@@ -80,9 +86,9 @@ def test_a_compaction_is_noticed_and_the_history_read_again(session_pk):
         Compaction(keep_last=len(rows) - 1, summary=[{"role": "system", "content": "summary"}]),
     )
     turn_id = session.start_turn("question 6")
-    rows, incoming = kept.load(session_pk, turn_id)
+    rows, incoming = load(kept, session_pk, turn_id)
     assert kept.parsed_last == len(rows)  # read again
-    assert rows == KeptHistories().load(session_pk, turn_id)[0]
+    assert rows == load(KeptHistories(), session_pk, turn_id)[0]
     assert rows[0][1] == {"role": "system", "content": "summary"}
     assert incoming == [{"role": "user", "content": "question 6"}]
 
@@ -91,14 +97,14 @@ def test_a_window_that_drops_the_oldest_rows_is_followed_without_reading_again(s
     kept, session = KeptHistories(), Session_(session_pk)
     for number in range(1, 6):
         turn_id = session.start_turn(f"question {number}")
-        rows, _ = kept.load(session_pk, turn_id)
+        rows, _ = load(kept, session_pk, turn_id)
         session.answer(f"answer {number}")
-    rows, _ = kept.load(session_pk, turn_id)
+    rows, _ = load(kept, session_pk, turn_id)
     apply_compaction(session_pk, session.seq, rows, Compaction(keep_last=4, summary=[]))
     turn_id = session.start_turn("question 6")
-    rows, incoming = kept.load(session_pk, turn_id)
+    rows, incoming = load(kept, session_pk, turn_id)
     assert kept.parsed_last == 1  # only the new question was read
-    assert rows == KeptHistories().load(session_pk, turn_id)[0]
+    assert rows == load(KeptHistories(), session_pk, turn_id)[0]
     assert len(rows) == 5 and incoming == [{"role": "user", "content": "question 6"}]
 
 
@@ -109,13 +115,13 @@ def test_rows_replaced_at_the_end_are_noticed_and_the_history_read_again(session
     for number in range(1, 4):
         turn_id = session.start_turn(f"question {number}")
         session.answer(f"answer {number}")
-    rows, _ = kept.load(session_pk, turn_id)
+    rows, _ = load(kept, session_pk, turn_id)
     Message.objects.filter(session_id=session_pk, seq=session.seq).delete()
     turn_store.insert_messages(session_pk, session.seq, [{"role": "assistant", "content": "the real answer"}])
     turn_id = session.start_turn("question 4")
-    rows, incoming = kept.load(session_pk, turn_id)
+    rows, incoming = load(kept, session_pk, turn_id)
     assert kept.parsed_last == len(rows)  # read again
-    assert rows == KeptHistories().load(session_pk, turn_id)[0]
+    assert rows == load(KeptHistories(), session_pk, turn_id)[0]
     assert rows[-2][1] == {"role": "assistant", "content": "the real answer"}
     assert incoming == [{"role": "user", "content": "question 4"}]
 
@@ -123,8 +129,8 @@ def test_rows_replaced_at_the_end_are_noticed_and_the_history_read_again(session
 def test_planning_the_same_turn_again_still_finds_its_messages(session_pk):
     kept, session = KeptHistories(), Session_(session_pk)
     turn_id = session.start_turn("question 1")
-    first = kept.load(session_pk, turn_id)
-    assert kept.load(session_pk, turn_id) == first
+    first = load(kept, session_pk, turn_id)
+    assert load(kept, session_pk, turn_id) == first
     assert kept.parsed_last == 0 and first[1] == [{"role": "user", "content": "question 1"}]
 
 
@@ -136,9 +142,9 @@ def test_a_process_keeps_a_bounded_number_of_sessions(session_pk):
     kept = KeptHistories(size=1)
     one, two = Session_(session_pk), Session_(other_pk)
     first, second = one.start_turn("question 1"), two.start_turn("question 1")
-    kept.load(session_pk, first)
-    kept.load(session_pk, first)
+    load(kept, session_pk, first)
+    load(kept, session_pk, first)
     assert kept.parsed_last == 0  # kept
-    kept.load(other_pk, second)  # the other session takes the only place
-    kept.load(session_pk, first)
+    load(kept, other_pk, second)  # the other session takes the only place
+    load(kept, session_pk, first)
     assert kept.parsed_last == 1  # read again

@@ -46,11 +46,23 @@ def _server_bindings(agent: AgentDefinition, refs: list[dict] | None) -> dict[st
     return bindings
 
 
+@dataclasses.dataclass
+class _Compacted:
+    """The compacted history a turn was planned with (positions and messages, in order)."""
+
+    seqs: list[int]
+    messages: list[dict]
+
+    def then(self, seqs: list[int], messages: list[dict]) -> list[tuple[int, dict]]:
+        """As (seq, message) pairs, followed by the turn's own."""
+        return list(zip(self.seqs + seqs, self.messages + messages))
+
+
 def _plan(
     turn_id: str, claimed: turn_store.ClaimedTurn, session: turn_store.TurnSession
-) -> tuple[host.TurnPlan, list[tuple[int, dict]]]:
+) -> tuple[host.TurnPlan, _Compacted]:
     agent = agent_definition(session.agent_id, session.agent_revision)
-    compacted, incoming = kept_histories.load(claimed.session_pk, turn_id)
+    seqs, messages, incoming = kept_histories.load(claimed.session_pk, turn_id)
     permissions = [
         PermissionAnswer(ToolCall(p["toolCallId"], p["name"], p.get("input", {})), p["granted"], p.get("reason"))
         for p in claimed.permissions
@@ -66,13 +78,13 @@ def _plan(
         options_set=frozenset(session.options),
         server_tools=_server_bindings(agent, session.server_tools),
         client_tools={tool["name"]: tool for tool in session.client_tools or []},
-        history=[message for _, message in compacted],
+        history=list(messages),  # the runtime's (the host appends answered permissions to it)
         incoming=incoming,
         permissions=permissions,
         stream=claimed.stream,
         capabilities=agent.capabilities(),
     )
-    return plan, compacted
+    return plan, _Compacted(seqs, messages)
 
 
 DB_ERRORS = (OperationalError, InterfaceError)
@@ -161,7 +173,7 @@ def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn, marked: bool
             error="The turn could not be prepared.",
             stop_meta={"error": "The turn could not be prepared."},
         )
-        compacted = []
+        compacted = _Compacted([], [])
     else:
         # The agent may run for minutes: give the connection back to the pool meanwhile.
         connection.close()
@@ -178,7 +190,7 @@ def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn, marked: bool
         return True
 
 
-def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted: list[tuple[int, dict]]) -> bool:
+def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted: _Compacted) -> bool:
     """Persist a turn's messages, pending calls and usage atomically, then publish turn_stop.
     Returns whether other turns wait for a worker slot (True when not known)."""
     problem = unstorable(outcome.pending_calls)
@@ -215,7 +227,8 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
             return others_waiting
         first = last - len(outcome.messages) + 1
         seqs = turn_store.insert_messages(session_pk, first, outcome.messages, turn_id=turn_id)
-        apply_compaction(session_pk, last, compacted + list(zip(seqs, outcome.messages)), outcome.compaction)
+        if outcome.compaction is not None:
+            apply_compaction(session_pk, last, compacted.then(seqs, outcome.messages), outcome.compaction)
         meta = dict(outcome.stop_meta)
         if outcome.model_calls:
             meta["usage"] = {"promptTokens": outcome.prompt_tokens, "completionTokens": outcome.completion_tokens}

@@ -51,8 +51,9 @@ class KeptHistories:
         self._lock = threading.Lock()  # worker threads plan turns at the same time
         self.parsed_last = 0  # rows the last load parsed (observability, tests)
 
-    def load(self, session_pk: int, turn_id: str) -> tuple[list[tuple[int, dict]], list[dict]]:
-        """The session's compacted history as (seq, message), and the messages of `turn_id` in it."""
+    def load(self, session_pk: int, turn_id: str) -> tuple[list[int], list[dict], list[dict]]:
+        """The session's compacted history (its positions and its messages, in order) and the
+        messages of `turn_id` in it. New lists each time: the caller may change them."""
         with self._lock:
             kept = self._kept.pop(session_pk, None)
         start = None
@@ -77,9 +78,12 @@ class KeptHistories:
                 self._kept[session_pk] = _Kept(tuple(seqs), tuple(messages), tuple(turns), tuple(ids))
                 while len(self._kept) > self.size:
                     self._kept.popitem(last=False)
-        # (a retried plan of the same turn finds its rows in the kept copy: look at all of them)
-        incoming = [message for message, row_turn in zip(messages, turns) if row_turn == turn_id]
-        return list(zip(seqs, messages)), incoming
+        # A turn's messages are the history's last rows as it is planned: only the running turn
+        # writes to its session. (A retried plan of the same turn finds them in the kept copy.)
+        first = len(turns)
+        while first and turns[first - 1] == turn_id:
+            first -= 1
+        return seqs, messages, messages[first:]
 
     def clear(self) -> None:
         with self._lock:

@@ -75,7 +75,7 @@ class ChatBuilder:
         self.accepted = ctx.capabilities.get("image", {})
         self.system = [ctx.config["systemPrompt"]] if ctx.config.get("systemPrompt") else []
         self.chat: list[dict] = []  # only ever appended to; its entries are never changed
-        self._json: list[str] = []  # the JSON text of chat's first entries, once each
+        self._json: list[bytes] = []  # the JSON of chat's first entries, once each
         self.open_calls: list[str] = []
         self.tool_images: list[dict] = []
         self.started = False
@@ -162,11 +162,11 @@ class ChatBuilder:
                 return  # e.g. only thinking: nothing the provider needs
             self._append(entry)
 
-    def json_of(self, count: int) -> list[str]:
-        """The JSON text of the first `count` converted messages: each is encoded once over the
+    def json_of(self, count: int) -> list[bytes]:
+        """The JSON of the first `count` converted messages: each is encoded once over the
         builder's life, so a kept builder's request costs what its new messages cost."""
         for entry in self.chat[len(self._json) : count]:
-            self._json.append(message_json(entry))
+            self._json.append(message_json(entry).encode())
         return self._json[:count]
 
     def result(self) -> tuple[list[dict], int]:

@@ -81,11 +81,11 @@ class Turn:
             or chat[start + count - 1] is not builder.chat[count - 1]
         ):
             return request
-        texts = [message_json(m) for m in chat[:start]] + builder.json_of(count)
-        texts += [message_json(m) for m in chat[start + count :]]
+        parts = [message_json(m).encode() for m in chat[:start]] + builder.json_of(count)
+        parts += [message_json(m).encode() for m in chat[start + count :]]
         rest = {key: value for key, value in request.items() if key != "messages"}
-        tail = "," + message_json(rest)[1:] if rest else "}"
-        return ('{"messages":[' + ",".join(texts) + "]" + tail).encode()
+        tail = ("," + message_json(rest)[1:] if rest else "}").encode()
+        return b"".join((b'{"messages":[', b",".join(parts), b"]", tail))
 
     def request(self, messages: list[dict], **extra) -> dict:
         """The chat completion request body, as it goes on the wire (extraBody merged in)."""
