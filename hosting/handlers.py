@@ -12,15 +12,19 @@ the full `MIDDLEWARE` (sessions, CSRF, messages).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.conf import settings
-from django.core.handlers.asgi import ASGIHandler
+from django.core import signals
+from django.core.exceptions import RequestAborted
+from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.db import connections
 from django.middleware.clickjacking import XFrameOptionsMiddleware
 from django.middleware.security import SecurityMiddleware
+from django.urls import set_script_prefix
 
 
 @functools.cache
@@ -89,6 +93,64 @@ class ApiHandler(ASGIHandler):
         if scope["type"] != "http":
             raise ValueError(f"The API handles HTTP only, not {scope['type']}.")
         await self.handle(scope, receive, send)
+
+    async def handle(self, scope, receive, send):
+        """Django's `ASGIHandler.handle` (5.2) with the request signals sent on the event loop.
+        The stock handler sends `request_started`, and `request_finished` from the response's
+        close, each through a thread: two hops and two executor round trips per request. Their
+        receivers are Django's own (the query log, stale connections, caches, the URLconf:
+        tests/unit/test_api_handler.py keeps that list), and they touch only the calling
+        thread's state, which on the loop holds no database connection (views run on
+        web_executor() and release theirs)."""
+        try:
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        set_script_prefix(get_script_prefix(scope))
+        signals.request_started.send(sender=self.__class__, scope=scope)
+        request, error_response = self.create_request(scope, body_file)
+        if request is None:
+            body_file.close()
+            await self.send_response(error_response, send)
+            error_response.close()
+            return
+
+        async def process_request(request, send):
+            response = await self.run_get_response(request)
+            try:
+                await self.send_response(response, send)
+            except asyncio.CancelledError:
+                pass  # the client disconnected while the response was sent
+            return response
+
+        # As Django does: a disconnect while the response is made cancels the view's task.
+        tasks = [
+            asyncio.create_task(self.listen_for_disconnect(receive)),
+            asyncio.create_task(process_request(request, send)),
+        ]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            if task.done():
+                try:
+                    task.result()
+                except RequestAborted:
+                    pass
+                except AssertionError:
+                    body_file.close()
+                    raise
+            else:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        try:
+            response = tasks[1].result()
+        except asyncio.CancelledError:
+            signals.request_finished.send(sender=self.__class__)
+        else:
+            response.close()  # sends request_finished
+        body_file.close()
 
     def make_view_atomic(self, view):
         # Called per request with the URLconf's view objects: wrap each once.
