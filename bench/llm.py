@@ -137,13 +137,10 @@ class LlmScenarios:
         for index in range(n):
             if index in (0, n - block):
                 before = self.cpu.snapshot()
-            t0 = time.perf_counter()
-            try:
-                await self.api.turn(sid, f"question {index}: hello world")
-            except Exception as exc:
-                errors.add(f"turn {index + 1}: {type(exc).__name__}: {exc}")
+            took = await self._timed_turn(sid, f"question {index}: hello world", errors, f"turn {index + 1}")
+            if took is None:
                 continue
-            times.append(time.perf_counter() - t0)
+            times.append(took)
             if index in (block - 1, n - 1):
                 costs[index] = self.cpu.per_operation(before, self.cpu.snapshot(), block)
         first, last = times[1 : block + 1], times[-block:]
@@ -183,6 +180,16 @@ class LlmScenarios:
             )
         await self._paired(sid, n, block)
 
+    async def _timed_turn(self, sid: str, text: str, errors: Errors, what: str) -> float | None:
+        """Seconds one `stream: "none"` turn took; None (and the error counted) if it failed."""
+        t0 = time.perf_counter()
+        try:
+            await self.api.turn(sid, text)
+        except Exception as exc:
+            errors.add(f"{what}: {type(exc).__name__}: {exc}")
+            return None
+        return time.perf_counter() - t0
+
     async def _paired(self, long_sid: str, n: int, block: int) -> None:
         """The long session's next turns against turns 2–11 of new sessions, in alternating
         groups of 10 within the same seconds: what the session's length costs, without the
@@ -200,13 +207,9 @@ class LlmScenarios:
                     if kind == "long":
                         turn_of_long += 1
                     sid, number = (long_sid, turn_of_long) if kind == "long" else (short_sid, index + 2)
-                    t0 = time.perf_counter()
-                    try:
-                        await self.api.turn(sid, f"question {number}: hello world")
-                    except Exception as exc:
-                        errors.add(f"paired {kind} turn: {type(exc).__name__}: {exc}")
-                        continue
-                    times[kind].append(time.perf_counter() - t0)
+                    took = await self._timed_turn(sid, f"question {number}: hello world", errors, f"paired {kind} turn")
+                    if took is not None:
+                        times[kind].append(took)
                 cost = self.cpu.per_operation(before, self.cpu.snapshot(), group)
                 for key, value in cost.items():
                     spent[kind][key] = spent[kind].get(key, 0.0) + value / max(1, block // group)
