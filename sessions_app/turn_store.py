@@ -407,23 +407,26 @@ def compacted_history_after(
     index probes however long the history: compaction deletes rows at the start and inserts
     any summary there with new ids; a lost turn's recovered output is replaced at the end with
     new ids), then the rows after `after_seq` as (seq, JSON text, turn id, row id), in order."""
-    first = f"FROM {M} WHERE session_id = %s AND kind = %s ORDER BY seq LIMIT 1"
-    last = f"FROM {M} WHERE session_id = %s AND kind = %s AND seq <= %s ORDER BY seq DESC LIMIT 1"
+    rows_of = f"FROM {M} WHERE session_id = %s AND kind = %s"
     with connection.cursor() as cursor:
         cursor.execute(
-            f"WITH head AS (SELECT (SELECT seq {first}) AS fs, (SELECT id {first}) AS fi, "
-            f"(SELECT seq {last}) AS ls, (SELECT id {last}) AS li) "
-            f"SELECT head.fs, head.fi, head.ls, head.li, m.seq, m.data, m.turn_id, m.id FROM head "
-            f"LEFT JOIN {M} m ON m.session_id = %s AND m.kind = %s AND m.seq > %s ORDER BY m.seq",
-            [session_pk, Message.COMPACTED] * 2 + [session_pk, Message.COMPACTED, after_seq] * 3,
+            f"SELECT 0, seq, id, NULL, NULL FROM (SELECT seq, id {rows_of} ORDER BY seq LIMIT 1) AS first_row "
+            f"UNION ALL SELECT 1, seq, id, NULL, NULL FROM "
+            f"(SELECT seq, id {rows_of} AND seq <= %s ORDER BY seq DESC LIMIT 1) AS last_row "
+            f"UNION ALL SELECT 2, seq, id, data, turn_id {rows_of} AND seq > %s ORDER BY 1, 2",
+            [session_pk, Message.COMPACTED] + [session_pk, Message.COMPACTED, after_seq] * 2,
         )
         rows = cursor.fetchall()
-    head = rows[0]
-    return (
-        (head[0], head[1]) if head[0] is not None else None,
-        (head[2], head[3]) if head[2] is not None else None,
-        [(seq, data, turn, row_id) for *_, seq, data, turn, row_id in rows if seq is not None],
-    )
+    first = last = None
+    new = []
+    for part, seq, row_id, data, turn in rows:
+        if part == 0:
+            first = (seq, row_id)
+        elif part == 1:
+            last = (seq, row_id)
+        else:
+            new.append((seq, data, turn, row_id))
+    return first, last, new
 
 
 def drop_compacted_before(session_pk: int, cutoff: int) -> None:

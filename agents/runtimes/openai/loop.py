@@ -139,7 +139,7 @@ class OpenAIRuntime(Runtime):
                 ctx.set_stop_meta(modelCallLimit=limit)
                 return "max_tokens"
             if prompt_size(turn, tools) > turn.budget and await compact(turn):
-                turn.chat, turn.kept = to_chat(ctx, turn.view()), None
+                turn.chat = to_chat(ctx, turn.view())
             calls += 1
             reply = await self._call(turn, tools)
             if reply.refused:
@@ -150,7 +150,7 @@ class OpenAIRuntime(Runtime):
                 continue
             return {"length": "max_tokens", "content_filter": "refusal"}.get(reply.finish or "", "end_turn")
 
-    def _history_chat(self, ctx: TurnContext) -> tuple[list[dict], int, tuple[int, int, ChatBuilder]]:
+    def _history_chat(self, ctx: TurnContext) -> tuple[list[dict], int, tuple[list[dict], int, int, ChatBuilder]]:
         """The turn's history in the model's format, its token estimate and where the builder's
         messages are in it (Turn.kept), converting only the messages added since this process
         last saw the session (all of them on a miss).
@@ -177,7 +177,7 @@ class OpenAIRuntime(Runtime):
             self._chats[ctx.session_id] = (setup, _probes(history, builder.fed), builder)
             while len(self._chats) > HISTORIES_KEPT:
                 self._chats.popitem(last=False)
-        return chat, tokens, (1 if builder.system else 0, len(builder.chat), builder)
+        return chat, tokens, (chat, 1 if builder.system else 0, len(builder.chat), builder)
 
     async def _emit(self, turn: Turn, event: dict) -> None:
         turn.log.append(event)

@@ -54,9 +54,10 @@ class Turn:
     measured: int | None = None  # tokens the provider reported for the last call (prompt + completion)
     measured_at: int = 0  # len(chat) when `measured` was taken
     chat_tokens: int | None = None  # the estimate of `chat` as the turn began (kept with the history's conversion)
-    # chat[start : start + count] are the first `count` messages of this builder (the session's
-    # kept conversion), whose JSON it keeps; None once `chat` is rebuilt (a compaction).
-    kept: tuple[int, int, ChatBuilder] | None = None
+    # (the chat list, start, count, builder): in that list, [start : start + count] are the
+    # builder's first `count` messages (the session's kept conversion), whose JSON it keeps.
+    # A `chat` rebuilt (a compaction) is another list: the kept JSON no longer applies to it.
+    kept: tuple[list[dict], int, int, ChatBuilder] | None = None
 
     def history(self) -> list[dict]:
         """The compacted history as services will store it: history so far + this turn's messages."""
@@ -70,17 +71,11 @@ class Turn:
         """The request of a model call on `chat`. As bytes when the kept conversion still opens
         it: its messages' JSON is reused, so encoding the body costs what the messages new
         since the last turn cost, not the session's length (the SDK sends bytes as they are)."""
-        request = self.request(self.chat, **extra)
-        if self.kept is None or request["messages"] is not self.chat:
-            return request  # (an extraBody that sets the messages itself)
-        start, count, builder = self.kept
         chat = self.chat
-        if count and (
-            len(chat) < start + count
-            or chat[start] is not builder.chat[0]
-            or chat[start + count - 1] is not builder.chat[count - 1]
-        ):
-            return request
+        request = self.request(chat, **extra)
+        if self.kept is None or self.kept[0] is not chat or request["messages"] is not chat:
+            return request  # (the last: an extraBody that sets the messages itself)
+        _, start, count, builder = self.kept
         parts = [message_json(m).encode() for m in chat[:start]] + builder.json_of(count)
         parts += [message_json(m).encode() for m in chat[start + count :]]
         rest = {key: value for key, value in request.items() if key != "messages"}
