@@ -278,6 +278,16 @@ AAP_WORKSPACE_ROOT = Path(os.environ.get("AAP_WORKSPACE_ROOT", VAR_DIR / "worksp
 AAP_SANDBOX_UID_BASE = env_int("AAP_SANDBOX_UID_BASE", 200000)
 AAP_SANDBOX_UID_COUNT = env_int("AAP_SANDBOX_UID_COUNT", 100000)
 AAP_SANDBOX_MONITOR_SECONDS = env_float("AAP_SANDBOX_MONITOR_SECONDS", 1.0)
+# How agents are walled in: "namespaces" (bubblewrap: their own user, mount, PID, IPC and
+# network namespaces), "fallback" (Landlock + seccomp over the shared host), or "auto"
+# (namespaces where the host allows them, else the fallback, with a log line saying why).
+AAP_SANDBOX_MODE = os.environ.get("AAP_SANDBOX_MODE", "auto")
+if AAP_SANDBOX_MODE not in ("auto", "namespaces", "fallback"):
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("AAP_SANDBOX_MODE must be auto, namespaces or fallback.")
+# A delegated cgroup v2 directory for the units' cgroups ("" = find one; "off" = none).
+AAP_SANDBOX_CGROUP = os.environ.get("AAP_SANDBOX_CGROUP", "")
 
 # Per-tenant limits (sessions_app.admission): defaults for tenants that set none; 0 = no limit.
 AAP_TENANT_MAX_RUNNING_TURNS = env_int("AAP_TENANT_MAX_RUNNING_TURNS", 16)

@@ -96,11 +96,15 @@ def test_without_a_uid_of_its_own_the_agent_still_cannot_read_or_signal_the_serv
     assert not re.search(r"\b[0-9a-f]{6,}-[0-9a-f]{6,}\b", output)  # no line of its memory map
 
 
-def test_a_kernel_without_landlock_makes_the_agent_refuse_to_start_naming_what_is_missing(monkeypatch, tmp_path):
+def test_a_kernel_without_landlock_makes_the_agent_refuse_to_start_naming_what_is_missing(
+    monkeypatch, tmp_path, settings
+):
     import py_landlock
 
     monkeypatch.setattr(py_landlock, "get_abi_version", lambda: 3)
+    settings.AAP_SANDBOX_MODE = "fallback"
     sandbox.missing.cache_clear()
+    sandbox.mode.cache_clear()
     try:
         gaps = sandbox.missing()
         assert gaps == ("Landlock ABI 6 (Linux 6.12 or later; this kernel offers ABI 3)",)
@@ -124,6 +128,7 @@ def test_a_kernel_without_landlock_makes_the_agent_refuse_to_start_naming_what_i
         assert process.process is None  # nothing was started: no silent fallback
     finally:
         sandbox.missing.cache_clear()
+        sandbox.mode.cache_clear()
 
 
 def test_the_egress_proxy_lets_through_only_the_allowed_destinations():
@@ -196,7 +201,7 @@ import acp
 from agents.runtimes.acp_bridge import limits, sandbox
 from agents.runtimes.acp_bridge.process import AgentProcess, ProcessSpec
 
-fake, script, unsafe = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+fake, script, unsafe = sys.argv[1], sys.argv[2].replace("WORKER_PID", str(os.getpid())), sys.argv[3] == "1"
 
 
 class Collect:
@@ -243,8 +248,7 @@ def test_an_unprivileged_service_starts_its_agents_sandboxed(service):
     fake = str(Path(__file__).parents[1] / "fakes" / "acp_agent.py")
     script = (
         f"echo ok > mine.txt && cat mine.txt; cat {service['private']}; "
-        "cat /proc/$(cut -d' ' -f4 /proc/$PPID/stat)/environ; kill -0 $(cut -d' ' -f4 /proc/$PPID/stat) "
-        "&& echo signalled"
+        "cat /proc/WORKER_PID/environ; kill -0 WORKER_PID && echo signalled"
     )
     env = {
         "PATH": sandbox.sandbox_path(),

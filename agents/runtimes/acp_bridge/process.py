@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import time
 from collections import deque
@@ -35,8 +36,9 @@ from acp.task import MessageSender, TaskSupervisor
 from agents.runtimes.base import AgentError
 from hosting import metrics
 
-from . import limits, sandbox, workspace
+from . import cgroups, limits, sandbox, workspace
 from .egress import EgressProxy
+from .gateway import GatewaySpec, ModelGateway
 from .session import AcpSession
 
 logger = logging.getLogger("agents.runtimes.acp")
@@ -62,9 +64,11 @@ class ProcessSpec:
     terminal_timeout: float = 120.0
     terminal_output_bytes: int = 64 * 1024
     sandbox: sandbox.SandboxSpec | None = field(default=None, hash=False, compare=False)  # None: unsafe opt-out
+    gateway: GatewaySpec | None = field(default=None, repr=False, hash=False, compare=False)  # the model gateway
 
     def redact(self, text: str) -> str:
-        for value in self.env.values():
+        hidden = [self.gateway.key, self.gateway.token] if self.gateway else []
+        for value in [*self.env.values(), *hidden]:
             if len(value) >= 4:
                 text = text.replace(value, "***")
         return text
@@ -224,6 +228,8 @@ class AgentProcess:
         self.tmp: Path | None = None
         self.proxy: EgressProxy | None = None
         self._policy: dict | None = None
+        self.mode: str | None = None  # the sandbox mode it started in
+        self.cgroup: cgroups.UnitGroup | None = None
         self._disk_floor = 0  # disk use that does not count as a breach (what the unit had at start)
         self._breach = False
 
@@ -244,8 +250,9 @@ class AgentProcess:
 
     async def start(self) -> None:
         sandbox.harden_host()
+        env_fd: int | None = None
         try:
-            argv, env, cwd = await self._command()
+            argv, env, cwd, env_fd = await self._command()
         except sandbox.SandboxError as exc:
             self.failure = str(exc)
             logger.error("ACP agent %s: %s", self.spec.label, self.failure)
@@ -261,12 +268,16 @@ class AgentProcess:
                 cwd=cwd,
                 start_new_session=True,
                 limit=STREAM_LIMIT,
+                pass_fds=(env_fd,) if env_fd is not None else (),
             )
         except OSError as exc:
             self.failure = f"The agent command could not be started ({type(exc).__name__})."
             logger.error("ACP agent %s: %s", self.spec.label, self.failure)
             await self._close_proxy()
             raise AgentError(self.failure) from None
+        finally:
+            if env_fd is not None:
+                os.close(env_fd)
         if self.spec.sandbox is None:
             logger.warning(
                 "ACP agent %s started WITHOUT A SANDBOX (pid %s, %s): unsafeWithoutSandbox is set; it has "
@@ -305,14 +316,19 @@ class AgentProcess:
             raise
         self.capabilities = response.agent_capabilities or schema.AgentCapabilities()
 
-    async def _command(self) -> tuple[list[str], dict, Path]:
-        """The argv, environment and cwd that start the agent (in its sandbox, unless opted out)."""
+    async def _command(self) -> tuple[list[str], dict, Path, int | None]:
+        """The argv, environment and cwd that start the agent (in its sandbox, unless opted out),
+        and the descriptor carrying the agent's environment to the launcher as data."""
         spec, box = self.spec, self.spec.sandbox
         if box is None:
             home = workspace.ensure_dir(spec.home)
-            env = {**sandbox.environment(home, home, None), **spec.env, "HOME": str(home)}
-            return [sandbox.resolve(spec.argv[0], env["PATH"]), *spec.argv[1:]], env, home
-        gaps = sandbox.missing()
+            if spec.gateway is not None:  # for the gateway only: unconfined, the agent reaches anything
+                self.proxy = EgressProxy((), spec.label, gateway=self._gateway())
+                await self.proxy.start()
+            env = {**sandbox.environment(home, home, None), **spec.env, **self._gateway_env(), "HOME": str(home)}
+            return [sandbox.resolve(spec.argv[0], env["PATH"]), *spec.argv[1:]], env, home, None
+        self.mode = await asyncio.to_thread(sandbox.mode)
+        gaps = await asyncio.to_thread(sandbox.gaps)
         if gaps:
             raise sandbox.SandboxError(sandbox.refuse_sentence(gaps))
         if sandbox.as_root():
@@ -320,37 +336,60 @@ class AgentProcess:
                 self.uid = await asyncio.to_thread(sandbox.unit_uid, box.unit)
         tmp = await asyncio.to_thread(sandbox.prepare, box, self.uid, spec.home)
         self.tmp = tmp
-        if box.egress:
-            self.proxy = EgressProxy(box.egress, spec.label)
-            await self.proxy.start()
+        namespaces = self.mode == "namespaces"
+        egress_socket = None
+        if box.egress or spec.gateway is not None:
+            self.proxy = EgressProxy(box.egress, spec.label, gateway=self._gateway())
+            if namespaces:  # reached through a socket mounted into the unit's own network namespace
+                directory = await asyncio.to_thread(sandbox.egress_socket_dir)
+                egress_socket = str(directory / f"{secrets.token_hex(12)}.sock")
+                await self.proxy.start(unix_path=egress_socket, agent_port=sandbox.RELAY_PORT)
+                await asyncio.to_thread(sandbox.give_socket, egress_socket, self.uid)
+            else:
+                await self.proxy.start()
         proxy_url = self.proxy.url if self.proxy else None
         env = {
             **sandbox.environment(spec.home, tmp, proxy_url),
             **spec.env,
+            **self._gateway_env(),
             **sandbox.fixed_environment(spec.home, tmp, proxy_url),
         }
         executable = sandbox.resolve(spec.argv[0], env["PATH"])
         base_tasks = 0
         if self.uid is None:  # RLIMIT_NPROC counts every task of the service's own uid too
             base_tasks = (await asyncio.to_thread(limits.snapshot)).unit(uid=os.getuid(), pgid=None)[1]
-        self._policy = await asyncio.to_thread(
+        policy = await asyncio.to_thread(
             sandbox.policy,
             box,
             executable,
             uid=self.uid,
             cwd=spec.home,
-            proxy_port=self.proxy.port if self.proxy else None,
+            proxy_port=self.proxy.port if self.proxy and not namespaces else None,
             base_tasks=base_tasks,
         )
+        async with _unit_lock(box.unit):
+            self.cgroup = await asyncio.to_thread(cgroups.create, box.unit, box.limits)
+        procs = self.cgroup.procs_files if self.cgroup else []
+        if namespaces:
+            policy = sandbox.namespace_policy(policy, egress_socket=egress_socket, cgroup_procs=procs)
+        else:
+            policy = {**policy, "mode": "fallback", "cgroups": procs}
+        self._policy = policy
         self._disk_floor = await asyncio.to_thread(limits.disk_bytes, box.writable)
-        return sandbox.launcher_argv(self._policy, [executable, *spec.argv[1:]]), env, spec.home
+        env_fd = sandbox.env_descriptor(env)
+        argv = sandbox.launcher_argv({**policy, "env_fd": env_fd}, [executable, *spec.argv[1:]])
+        return argv, sandbox.launcher_environment(), spec.home, env_fd
 
-    def confined(self, argv: list[str], cwd: Path) -> list[str]:
-        """`argv` (a terminal command) under this agent's sandbox, started in `cwd`."""
+    def confined(self, argv: list[str], cwd: Path, env: dict) -> tuple[list[str], dict, int | None]:
+        """`argv` (a terminal command) under this agent's sandbox, started in `cwd` with `env`:
+        the argv and environment to start, and the descriptor carrying `env` as data (the
+        caller closes it once the command started)."""
         if self._policy is None:
-            return argv
+            return argv, env, None
         executable = sandbox.resolve(argv[0], sandbox.sandbox_path())
-        return sandbox.launcher_argv({**self._policy, "cwd": str(cwd)}, [executable, *argv[1:]])
+        env_fd = sandbox.env_descriptor(env)
+        policy = {**self._policy, "cwd": str(cwd), "env_fd": env_fd}
+        return sandbox.launcher_argv(policy, [executable, *argv[1:]]), sandbox.launcher_environment(), env_fd
 
     async def own(self, path: Path) -> None:
         """Give a directory the service created for this agent (a workspace) to its uid."""
@@ -367,13 +406,15 @@ class AgentProcess:
         if snap is None:
             snap = await asyncio.to_thread(limits.snapshot)
         pids, tasks = snap.unit(uid=self.uid, pgid=self.process.pid)
+        # What no path leads to: memfds (memory) and deleted files it keeps open (disk).
+        hidden_memory, hidden_disk = await asyncio.to_thread(limits.hidden_bytes, pids)
         breach = None
         if tasks >= bounds.processes:
             breach = f"The agent reached its limit of {bounds.processes} processes and threads"
-        elif await asyncio.to_thread(limits.resident_bytes, pids) > bounds.memory_bytes:
+        elif await asyncio.to_thread(limits.resident_bytes, pids) + hidden_memory > bounds.memory_bytes:
             breach = f"The agent used more than its memory limit of {limits.mib(bounds.memory_bytes)}"
         elif disk:
-            used = await asyncio.to_thread(limits.disk_bytes, box.writable)
+            used = await asyncio.to_thread(limits.disk_bytes, box.writable) + hidden_disk
             if used > max(bounds.disk_bytes, self._disk_floor):
                 breach = (
                     f"The agent's workspace and home hold more than its disk limit of {limits.mib(bounds.disk_bytes)}"
@@ -387,6 +428,33 @@ class AgentProcess:
         logger.warning("ACP agent %s: %s", self.spec.label, breach)
         await self.stop(breach, kill=True)
         return breach
+
+    def _gateway(self) -> ModelGateway | None:
+        if self.spec.gateway is None:
+            return None
+        return ModelGateway(self.spec.gateway, self.spec.label, self.add_usage)
+
+    def _gateway_env(self) -> dict:
+        """The gateway's URL and the unit's token, as the agent's environment gets them."""
+        if self.proxy is None or self.proxy.gateway is None:
+            return {}
+        return self.proxy.gateway.environment(self.proxy.url)
+
+    def add_usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """Model usage the gateway metered for this unit: the running prompt's. When several
+        run at once (a tenant's sessions sharing the process), the oldest of those not waiting
+        on the application's permission (else the oldest) gets it."""
+        running = [s.prompt for s in self.sessions.values() if s.prompt is not None and s.prompt.finished_at is None]
+        if not running:
+            logger.info(
+                "model gateway: agent %s used %s prompt + %s completion tokens outside any prompt; not counted",
+                self.spec.label,
+                prompt_tokens,
+                completion_tokens,
+            )
+            return
+        working = [prompt for prompt in running if not prompt.pending_waiters()] or running
+        min(working, key=lambda prompt: prompt.started_at).add_usage(prompt_tokens, completion_tokens)
 
     async def _close_proxy(self) -> None:
         if self.proxy is not None:
@@ -458,26 +526,35 @@ class AgentProcess:
     async def _watch(self) -> None:
         code = await self.process.wait()
         metrics.acp_process_exited()
-        if self.failure is None:
+        exited = self.failure is None  # on its own: no stop is under way
+        if exited:
             failure = await self._exit_failure(code)
             self.failure = self.failure or failure
         for session in list(self.sessions.values()):
             session.close()
+        if exited:  # what it left running goes too
+            try:
+                await self.stop(self.failure)
+            except Exception as exc:
+                logger.warning("stopping what ACP agent %s left failed: %s", self.spec.label, type(exc).__name__)
 
     async def stop(self, reason: str, *, kill: bool = False) -> None:
-        """Stop the process (gracefully unless `kill`: then every process of its uid goes too);
-        every request to it fails."""
+        """Stop the process (gracefully unless `kill`); once it is gone, so is the rest of its
+        unit, however it stopped (by cgroup and uid, or by process group without either); every
+        request to it fails."""
         if self.failure is None:
             self.failure = reason
         if self.process is not None and self.process.returncode is None:
             logger.info("stopping ACP agent %s (pid %s): %s", self.spec.label, self.process.pid, reason)
-        if kill and self.uid is not None and self.spec.sandbox is not None:
-            async with _unit_lock(self.spec.sandbox.unit):
-                await self._kill_unit()
+        if (self.uid is not None or self.cgroup is not None) and self.spec.sandbox is not None:
+            async with _unit_lock(self.spec.sandbox.unit):  # no new process of the unit meanwhile
+                if kill:
+                    await self._kill_unit()
                 await self._stop(kill)
                 await self._kill_unit()
             return
         await self._stop(kill)
+        self._signal(signal.SIGKILL)  # what it left behind in its process group
 
     async def _stop(self, kill: bool) -> None:
         for session in list(self.sessions.values()):
@@ -506,8 +583,10 @@ class AgentProcess:
         await self._close_proxy()
 
     async def _kill_unit(self) -> None:
-        """Kill everything of the unit's uid (what left the process group too), before a new
-        process of the same unit may start."""
+        """Kill everything of the unit (its cgroup, its uid: what left the process group too),
+        before a new process of the same unit may start."""
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.kill)
         if self.uid is None:
             return
         await asyncio.to_thread(sandbox.kill_uid, self.uid)

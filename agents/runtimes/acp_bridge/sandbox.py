@@ -110,6 +110,71 @@ def missing() -> tuple[str, ...]:
     return tuple(gaps)
 
 
+NAMESPACES_COST = (
+    "agents share the host's network stack, process table and filesystem view, walled by Landlock and "
+    "seccomp filters instead of namespaces of their own"
+)
+
+
+def _bwrap() -> str | None:
+    return shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin")
+
+
+@functools.cache
+def namespaces_missing() -> tuple[str, ...]:
+    """What this host lacks for the namespaces mode, as phrases (empty when it has it all):
+    bubblewrap, and user namespaces for the user agents run as (tried once, for real)."""
+    bwrap = _bwrap()
+    if bwrap is None:
+        return ("bubblewrap (the bubblewrap package)",)
+    try:
+        import pyseccomp
+
+        pyseccomp.get_api()
+    except Exception as exc:
+        return (f"libseccomp (the libseccomp2 package; here: {type(exc).__name__})",)
+    probe_uid = settings.AAP_SANDBOX_UID_BASE + settings.AAP_SANDBOX_UID_COUNT if as_root() else -1
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", str(LAUNCHER), "--probe", bwrap, str(probe_uid)],
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return (f"user namespaces (the trial run failed: {type(exc).__name__})",)
+    if done.returncode != 0:
+        said = (done.stderr.strip().splitlines() or ["no message"])[-1][:200]
+        return (f"user, PID and network namespaces for the agents' user (bubblewrap said: {said})",)
+    return ()
+
+
+@functools.cache
+def mode() -> str:
+    """The sandbox mode in force: "namespaces" or "fallback" (logged once, with the reason)."""
+    wanted = settings.AAP_SANDBOX_MODE
+    if wanted == "fallback":
+        logger.warning("sandbox: the fallback mode is configured (AAP_SANDBOX_MODE=fallback): %s", NAMESPACES_COST)
+        return "fallback"
+    gaps = namespaces_missing()
+    if not gaps or wanted == "namespaces":  # a configured mode that cannot hold refuses agents
+        if not gaps:
+            logger.info("sandbox: agents run in namespaces of their own (bubblewrap)")
+        return "namespaces"
+    logger.warning(
+        "sandbox: this host lacks %s, so agents run in the fallback mode: %s", "; ".join(gaps), NAMESPACES_COST
+    )
+    return "fallback"
+
+
+def gaps() -> tuple[str, ...]:
+    """What the mode in force lacks here (empty when agents may start)."""
+    return namespaces_missing() if mode() == "namespaces" else missing()
+
+
 def refuse_sentence(gaps: tuple[str, ...]) -> str:
     return (
         "The agent cannot start: its sandbox needs " + "; ".join(gaps) + ". An operator can run it unconfined "
@@ -385,6 +450,51 @@ def policy(
             "nproc": limits.processes + base_tasks,
         },
     }
+
+
+RELAY_PORT = 3128  # inside a unit's own network namespace: where its proxy variables point
+TMP_BYTES = 64 * 1024 * 1024  # /tmp and /dev/shm of a unit (tmpfs: counted as its memory)
+
+
+def egress_socket_dir() -> Path:
+    """Where the egress proxies' sockets live (never inside a unit's view but its own socket)."""
+    directory = workspace.ensure_dir(workspace.root() / ".egress")
+    os.chmod(directory, 0o711)
+    return directory
+
+
+def give_socket(path: str, uid: int | None) -> None:
+    """Let the unit's user (alone) connect to its egress socket."""
+    if uid is not None:
+        os.chown(path, uid, uid)
+    os.chmod(path, 0o600)
+
+
+def namespace_policy(policy_: dict, *, egress_socket: str | None, cgroup_procs: list[str]) -> dict:
+    """The namespaces mode's additions to a policy."""
+    return {
+        **policy_,
+        "mode": "namespaces",
+        "bwrap": _bwrap(),
+        "egress_socket": egress_socket,
+        "relay_port": RELAY_PORT if egress_socket else None,
+        "cgroups": cgroup_procs,
+        "tmp_bytes": TMP_BYTES,
+    }
+
+
+def env_descriptor(env: dict) -> int:
+    """The agent's environment as data: a memfd the launcher reads after the walls are
+    up (the launcher itself starts with a fixed environment, see launcher_environment())."""
+    fd = os.memfd_create("aap-agent-env", os.MFD_CLOEXEC)
+    os.write(fd, json.dumps(env, separators=(",", ":")).encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def launcher_environment() -> dict:
+    """The launcher's own environment: fixed, nothing of the agent's or the operator's."""
+    return {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 
 def launcher_argv(policy_: dict, argv: list[str]) -> list[str]:

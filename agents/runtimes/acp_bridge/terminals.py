@@ -75,7 +75,7 @@ class Terminals:
 
     def __init__(self, workspace: Path, *, timeout: float, max_output: int, confine=None):
         self.workspace = workspace
-        self.confine = confine  # (argv, cwd) -> argv under the agent's own sandbox
+        self.confine = confine  # (argv, cwd, env) -> (argv, env, env_fd) under the agent's own sandbox
         self.timeout = timeout
         self.max_output = max_output
         self._terminals: dict[str, Terminal] = {}
@@ -96,9 +96,10 @@ class Terminals:
         environment = {"PATH": sandbox_path(), "LANG": "C.UTF-8", "HOME": str(self.workspace)}
         environment.update({item.name: item.value for item in env or []})
         argv = [command, *(args or [])]
+        env_fd = None
         try:
-            if self.confine is not None:
-                argv = self.confine(argv, directory)
+            if self.confine is not None:  # the agent's environment reaches the command as data only
+                argv, environment, env_fd = self.confine(argv, directory, environment)
             process = await asyncio.create_subprocess_exec(
                 *argv,
                 cwd=directory,
@@ -107,9 +108,13 @@ class Terminals:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
+                pass_fds=(env_fd,) if env_fd is not None else (),
             )
         except (OSError, SandboxError) as exc:
             raise acp.RequestError.invalid_params({"command": f"cannot run ({type(exc).__name__})"}) from None
+        finally:
+            if env_fd is not None:
+                os.close(env_fd)
         limit = min(int(output_byte_limit), self.max_output) if output_byte_limit else self.max_output
         terminal_id = "term_" + uuid.uuid4().hex
         self._terminals[terminal_id] = Terminal(process, limit, self.timeout)
