@@ -61,3 +61,30 @@ def test_turns_share_a_frozen_definition_never_a_model_instance():
     specs[0]["name"] = "changed by a caller"
     assert "changed by a caller" not in [spec["name"] for spec in server_tool_specs(definition)]
     assert [o.default_value() for o in definition.options] == ["one"]
+
+
+def test_a_raw_update_that_leaves_updated_at_alone_still_reaches_every_process():
+    """The unsafe opt-out set by a raw UPDATE and reverted the same way (an attacker with the
+    database, a hand-made fix) must never stay in a worker's cache: the database moves the
+    revision itself."""
+    from django.db import connection
+
+    agent = Agent.objects.create(name="definition-raw", runtime_kind="acp", runtime_config={"command": ["x"]})
+    before = revision(agent)
+    assert agent_definition(agent.pk, before).runtime_config == {"command": ["x"]}
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE agents_agent SET runtime_config = %s, updated_at = updated_at WHERE id = %s",
+            ['{"command": ["x"], "unsafeWithoutSandbox": true}', agent.pk],
+        )
+    unsafe = revision(agent)
+    assert unsafe > before
+    assert agent_definition(agent.pk, unsafe).runtime_config["unsafeWithoutSandbox"] is True
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE agents_agent SET runtime_config = %s, updated_at = %s WHERE id = %s",
+            ['{"command": ["x"]}', before, agent.pk],
+        )
+    reverted = revision(agent)
+    assert reverted > unsafe
+    assert "unsafeWithoutSandbox" not in agent_definition(agent.pk, reverted).runtime_config
