@@ -304,23 +304,46 @@ def _searchable(path: Path) -> None:
 
 
 def own(path: Path, uid: int | None) -> None:
-    """Give a writable directory (and what is in it) to the unit's uid, mode 0700. Links are
-    never followed, and a file with several hard links is left alone (it may be a link to a
+    """Give a writable directory (and what is in it) to the unit's uid, mode 0700.
+
+    The tree may be the agent's to change while this runs (a tenant's unit writes the tenant
+    directory), so nothing here acts on a name: every directory is opened without following
+    links (os.fwalk, which also checks each opened directory is the one it listed), every
+    entry is opened with O_PATH | O_NOFOLLOW and checked through that descriptor, and the
+    change is made through the descriptor (/proc/self/fd/N names exactly the opened inode).
+    Symlinks are left alone, and so is a file with several hard links (it may be a link to a
     file outside)."""
     if uid is None:
         return
-    os.lchown(path, uid, uid)
-    os.chmod(path, 0o700)
-    for top, dirs, files in os.walk(path):
-        for name in dirs + files:
-            child = os.path.join(top, name)
-            try:
-                info = os.lstat(child)
-                if info.st_uid == uid or (not stat.S_ISDIR(info.st_mode) and info.st_nlink > 1):
-                    continue
-                os.lchown(child, uid, uid)
-            except OSError:
-                continue
+    top = _open_beneath(path)
+    if top is None:
+        return  # gone, or reached through a link: never followed
+    try:
+        os.fchown(top, uid, uid)
+        os.fchmod(top, 0o700)
+        for _, dirs, files, dirfd in os.fwalk(".", follow_symlinks=False, dir_fd=top):
+            for name in dirs + files:
+                _own_entry(name, dirfd, uid)
+    finally:
+        os.close(top)
+
+
+def _own_entry(name: str, dirfd: int, uid: int) -> None:
+    try:
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=dirfd)
+    except OSError:
+        return
+    try:
+        info = os.fstat(fd)
+        if info.st_uid == uid or stat.S_ISLNK(info.st_mode):
+            return
+        if not stat.S_ISDIR(info.st_mode) and (info.st_nlink > 1 or not stat.S_ISREG(info.st_mode)):
+            return
+        os.chown(f"/proc/self/fd/{fd}", uid, uid)
+    except OSError:
+        return
+    finally:
+        os.close(fd)
 
 
 def prepare(spec: SandboxSpec, uid: int | None, home: Path) -> Path:
@@ -341,15 +364,47 @@ def prepare(spec: SandboxSpec, uid: int | None, home: Path) -> Path:
         for parent in path.parents:
             if parent == root or root not in parent.parents:
                 break
-            os.chmod(parent, 0o711)
+            _change_beneath(parent, mode=0o711)
     _searchable(root)
     for path in (*spec.writable, home):
         if path.parent == root:
-            os.chown(path, os.getuid(), os.getgid())
-            os.chmod(path, 0o711)
+            _change_beneath(path, mode=0o711, owner=(os.getuid(), os.getgid()))
         else:
             own(path, uid)
     return tmp
+
+
+def _open_beneath(path: Path) -> int | None:
+    """A descriptor of the directory `path` under the workspace root, reached component by
+    component without following any link (None when a component is a link or missing): the
+    tree below the root may be an agent's to change."""
+    root = workspace.root()
+    try:
+        parts = Path(path).relative_to(root).parts
+    except ValueError:
+        return None
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    for part in parts:
+        try:
+            following = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+        except OSError:
+            os.close(fd)
+            return None
+        os.close(fd)
+        fd = following
+    return fd
+
+
+def _change_beneath(path: Path, *, mode: int, owner: tuple[int, int] | None = None) -> None:
+    fd = _open_beneath(path)
+    if fd is None:
+        return
+    try:
+        if owner is not None:
+            os.fchown(fd, *owner)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 # --- the policy and the command -------------------------------------------------------------
