@@ -113,6 +113,91 @@ def disk_bytes(paths) -> int:
     return total
 
 
+_MEMORY_FS = {"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"}
+_SHMEM = ("/memfd:", "/SYSV")  # memfds and System V segments: memory, whatever their link count
+
+
+def hidden_bytes(pids: list[int]) -> tuple[int, int]:
+    """(memory, disk) held by `pids` in files no path leads to, which neither their resident
+    memory nor a walk of the workspace sees: memfds and deleted files on tmpfs as memory, other
+    deleted-but-open files as disk. Found by descriptor (of every thread: a thread may have a
+    table of its own) and by mapping (a mapped file stays after its descriptor is closed), each
+    file once. A mapped memfd's touched pages count in the resident memory too, as shared pages
+    do there: the sum is never less than what the unit holds."""
+    seen: set[tuple[int, int]] = set()
+    memory_fs: dict[str, set[int]] = {}  # devices of memory filesystems, by mount namespace
+    memory = disk = 0
+    for pid in pids:
+        for path, shmem in _hidden_files(pid):
+            try:
+                info = os.stat(path)  # the open file itself (these links are followed by the kernel)
+            except OSError:
+                continue
+            key = (info.st_dev, info.st_ino)
+            if key in seen or not stat.S_ISREG(info.st_mode):
+                continue
+            seen.add(key)
+            if not shmem and info.st_nlink:
+                continue  # still reachable by a path: counted where that path is, if anywhere
+            if shmem or info.st_dev in _memory_devices(pid, memory_fs):
+                memory += info.st_blocks * 512
+            else:
+                disk += info.st_blocks * 512
+    return memory, disk
+
+
+def _hidden_files(pid: int):
+    """(a path under /proc/<pid> that opens the file, whether it is a memfd or System V segment)
+    for each descriptor and mapping of the process that holds a memfd or a deleted file."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tasks:
+        directory = f"/proc/{pid}/task/{tid}/fd"
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            try:
+                target = os.readlink(f"{directory}/{name}")
+            except OSError:
+                continue
+            if target.startswith(_SHMEM) or target.endswith(" (deleted)"):
+                yield f"{directory}/{name}", target.startswith(_SHMEM)
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+            lines = [line for line in maps if line.rstrip().endswith(" (deleted)")]
+    except OSError:
+        return
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        # Shared anonymous memory (/dev/zero) lives only while mapped: in the resident count.
+        if len(fields) == 6 and fields[4] != "0" and not fields[5].startswith("/dev/zero"):
+            yield f"/proc/{pid}/map_files/{fields[0]}", fields[5].startswith(_SHMEM)
+
+
+def _memory_devices(pid: int, cache: dict[str, set[int]]) -> set[int]:
+    try:
+        namespace = os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        namespace = ""
+    if namespace not in cache:
+        devices = set()
+        try:
+            with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="replace") as mounts:
+                for line in mounts:
+                    fields = line.split()
+                    if " - " in line and fields[fields.index("-") + 1] in _MEMORY_FS:
+                        major, minor = fields[2].split(":")
+                        devices.add(os.makedev(int(major), int(minor)))
+        except (OSError, ValueError):
+            pass
+        cache[namespace] = devices
+    return cache[namespace]
+
+
 def mib(value: int) -> str:
     return f"{value / MiB:g} MiB"
 
