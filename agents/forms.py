@@ -34,7 +34,12 @@ CONFIG_EXAMPLES = {
     "acp": {
         "command": ["agentao", "--acp"],
         "env": {"LLM_PROVIDER": "openai"},
-        "options": {"model": {"env": "OPENAI_MODEL"}, "apiKey": {"env": "OPENAI_API_KEY"}},
+        "options": {"model": {"env": "OPENAI_MODEL"}},
+        "gateway": {
+            "baseUrl": "https://api.openai.com/v1",
+            "keyOption": "apiKey",
+            "env": {"baseUrl": "OPENAI_BASE_URL", "apiKey": "OPENAI_API_KEY"},
+        },
     },
 }
 TOOL_PARAMETERS_EXAMPLE = {

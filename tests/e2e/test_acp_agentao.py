@@ -239,8 +239,8 @@ def test_the_agentao_example_works_as_shipped_with_its_bare_command(pg_stack, fa
     assert example["runtime"]["config"]["command"] == ["agentao", "--acp"]
     example["name"] = "agentao-example"
     config = example["runtime"]["config"]
-    config["env"]["OPENAI_BASE_URL"] = fake.url
-    config["egress"] = agent_config(fake)["egress"]
+    assert "apiKey" not in config["options"]  # the key stays in the worker: its gateway holds it
+    config["gateway"]["baseUrl"] = fake.url
     example["options"] = [
         {**option, "default": {"model": "fake-model", "apiKey": API_KEY}[option["name"]]}
         for option in example["options"]
@@ -255,3 +255,5 @@ def test_the_agentao_example_works_as_shipped_with_its_bare_command(pg_stack, fa
     result = checked_turn(client, session, user("hello"))
     assert result.stop_reason == "end_turn", result.body
     assert result.messages == [{"role": "assistant", "content": [{"type": "text", "text": "Hello from the example"}]}]
+    assert {r["headers"]["authorization"] for r in fake.chat_requests()} == {f"Bearer {API_KEY}"}
+    assert result.body["_meta"]["usage"]["promptTokens"] > 0  # the gateway counted the model's usage

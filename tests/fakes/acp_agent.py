@@ -25,6 +25,11 @@ Run it as `python -m tests.fakes.acp_agent`. The prompt text drives it:
     /sh CMD               -> runs `/bin/sh -c CMD` in cwd; one message "exit=N\n<output>"
     /failedit PATH        -> an `edit` tool call with a diff that the agent reports as failed
     /whoami               -> session id, model option, loaded flag, MCP server names, cwd
+    /llm [--stream] [--key K] TEXT
+                          -> one chat completion (model = the model option) from
+                             $FAKE_MODEL_URL with $FAKE_API_KEY (K instead with --key), through
+                             the proxy variables like any agent's client: "status=N text=..."
+                             (streamed: also "usage_chunks=N", the usage-only chunks it got)
 
 FAKE_ACP_LOAD_SESSION=1 makes it declare `loadSession`.
 """
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import sys
 import uuid
@@ -355,6 +361,39 @@ class FakeAgent:
             ),
         )
         await self._say(session, "not written")
+
+    async def _cmd_llm(self, session, rest):
+        import httpx
+
+        words = rest.split()
+        stream = "--stream" in words
+        key = os.environ.get("FAKE_API_KEY", "")
+        if "--key" in words:
+            key = words[words.index("--key") + 1]
+            words.remove(key)
+        text = " ".join(w for w in words if w not in ("--stream", "--key"))
+        body = {"model": session.model, "messages": [{"role": "user", "content": text}], "stream": stream}
+        url = os.environ.get("FAKE_MODEL_URL", "").rstrip("/") + "/chat/completions"
+        async with httpx.AsyncClient(timeout=60) as client:
+            async with client.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}) as response:
+                raw = await response.aread()
+        if response.status_code != 200:
+            await self._say(session, f"status={response.status_code} error={raw.decode(errors='replace')}")
+            return
+        if not stream:
+            reply = response.json()["choices"][0]["message"]["content"]
+            await self._say(session, f"status=200 text={reply}")
+            return
+        parts, usage_chunks = [], 0
+        for line in raw.decode().splitlines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if not chunk["choices"]:
+                usage_chunks += 1
+                continue
+            parts.append(chunk["choices"][0]["delta"].get("content") or "")
+        await self._say(session, f"status=200 text={''.join(parts)} usage_chunks={usage_chunks}")
 
     async def _cmd_pid(self, session, rest):
         await self._say(session, f"pid={os.getpid()}")

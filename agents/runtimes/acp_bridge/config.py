@@ -4,6 +4,7 @@ agent) and the parsed form a turn reads, defaults filled in."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from . import limits, sandbox
 
@@ -18,6 +19,30 @@ NAME_VALUES = {
         "additionalProperties": False,
     },
 }
+
+# The model gateway (gateway.py): the agent gets the gateway's URL and a token of its own in
+# these variables; the key option's value stays in the worker.
+GATEWAY_SCHEMA = {
+    "type": "object",
+    "required": ["baseUrl", "keyOption", "env"],
+    "additionalProperties": False,
+    "properties": {
+        "baseUrl": {"type": "string", "minLength": 1},
+        "keyOption": {"type": "string", "minLength": 1},
+        "env": {
+            "type": "object",
+            "required": ["baseUrl", "apiKey"],
+            "additionalProperties": False,
+            "properties": {"baseUrl": ENV_NAME, "apiKey": ENV_NAME},
+        },
+    },
+}
+# Set by the sandbox itself: a gateway variable of these names would never reach the agent.
+FIXED_ENV = frozenset(
+    name
+    for base in ("HOME", "TMPDIR", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+    for name in (base, base.lower())
+)
 
 CONFIG_SCHEMA = {
     "type": "object",
@@ -77,8 +102,67 @@ CONFIG_SCHEMA = {
         "limits": limits.LIMITS_SCHEMA,
         "readPaths": {"type": "array", "items": {"type": "string", "pattern": "^/"}},
         "unsafeWithoutSandbox": {"type": "boolean"},
+        "gateway": GATEWAY_SCHEMA,
     },
 }
+
+
+def check(config: dict) -> tuple[str, str] | None:
+    """What the schema cannot say, as (where, sentence); None when the configuration holds."""
+    gateway = config.get("gateway")
+    if not gateway:
+        return None
+    url = urlsplit(gateway["baseUrl"])
+    try:
+        url.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        url = urlsplit("")
+    if url.scheme not in ("http", "https") or not url.hostname or url.username or url.password:
+        return "gateway/baseUrl", "must be an absolute http:// or https:// URL without user or password"
+    if url.query or url.fragment:
+        return "gateway/baseUrl", "must have no query string or fragment"
+    key_option = gateway["keyOption"]
+    routes = config.get("options") or {}
+    if key_option in routes:
+        how = "env" if "env" in routes[key_option] else "configOption"
+        return (
+            f"options/{key_option}",
+            f"option '{key_option}' is the gateway's key (gateway/keyOption), which stays in the worker; "
+            f"remove its route to {how}",
+        )
+    url_env, key_env = gateway["env"]["baseUrl"], gateway["env"]["apiKey"]
+    if url_env == key_env:
+        return "gateway/env", f"baseUrl and apiKey need two variables, not {url_env} twice"
+    for name in (url_env, key_env):
+        if name in FIXED_ENV:
+            return "gateway/env", f"{name} is set by the sandbox itself; choose another variable"
+        if name in (config.get("env") or {}):
+            return "gateway/env", f"{name} is also set in env; the gateway sets it"
+        for option, route in routes.items():
+            if route.get("env") == name:
+                return "gateway/env", f"{name} is also the route of option '{option}'; the gateway sets it"
+    return None
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """The `gateway` of a configuration: the agent's model endpoint, reached through the worker."""
+
+    base_url: str
+    key_option: str
+    url_env: str
+    key_env: str
+
+    @classmethod
+    def parse(cls, gateway: dict | None) -> Gateway | None:
+        if not gateway:
+            return None
+        return cls(
+            base_url=gateway["baseUrl"],
+            key_option=gateway["keyOption"],
+            url_env=gateway["env"]["baseUrl"],
+            key_env=gateway["env"]["apiKey"],
+        )
 
 
 @dataclass(frozen=True)
@@ -102,6 +186,7 @@ class Config:
     limits: limits.Limits
     read_paths: tuple[str, ...]
     unsafe: bool
+    gateway: Gateway | None
 
     @classmethod
     def parse(cls, config: dict) -> Config:
@@ -123,4 +208,5 @@ class Config:
             limits=limits.Limits.parse(config.get("limits")),
             read_paths=tuple(config.get("readPaths") or ()),
             unsafe=bool(config.get("unsafeWithoutSandbox", False)),
+            gateway=Gateway.parse(config.get("gateway")),
         )

@@ -6,6 +6,9 @@ exactly the `host:port` pairs the operator declared for that agent (`egress`), a
 `CONNECT` tunnels (HTTPS) or absolute-form HTTP requests (plain HTTP); anything else gets
 `403` and a log line naming the agent and the refused destination. The agent finds it
 through HTTP_PROXY / HTTPS_PROXY / ALL_PROXY, which the sandbox sets.
+
+With a model gateway (gateway.py), requests to the proxy itself are the gateway's: origin
+form (`POST /gateway/v1/chat/completions`) or absolute form naming the proxy's own address.
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from .gateway import ModelGateway
 
 logger = logging.getLogger("agents.runtimes.acp")
 
@@ -31,9 +38,10 @@ def parse_destination(entry: str) -> tuple[str, int]:
 class EgressProxy:
     """An allowlisting forward proxy on 127.0.0.1 for one agent process."""
 
-    def __init__(self, allowed: tuple[str, ...], label: str):
+    def __init__(self, allowed: tuple[str, ...], label: str, *, gateway: ModelGateway | None = None):
         self.allowed = {parse_destination(entry) for entry in allowed}
         self.label = label
+        self.gateway = gateway  # serves requests to the proxy itself
         self.server: asyncio.base_events.Server | None = None
         self.port: int | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -53,6 +61,8 @@ class EgressProxy:
         for task in list(self._tasks):
             task.cancel()
         self.server = None
+        if self.gateway is not None:
+            await self.gateway.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -78,6 +88,10 @@ class EgressProxy:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
         line, _, rest = head.partition(b"\r\n")
         method, target, version = line.decode("latin-1").split(" ", 2)
+        own = self._own_target(target)
+        if own is not None and self.gateway is not None:
+            await self.gateway.serve(method, own, rest, reader, writer)
+            return
         if method.upper() == "CONNECT":
             host, port = parse_destination(target)
             forward = b""
@@ -112,6 +126,18 @@ class EgressProxy:
         finally:
             with contextlib.suppress(Exception):
                 up_writer.close()
+
+    def _own_target(self, target: str) -> str | None:
+        """The origin-form target of a request to the proxy itself (its gateway's), else None."""
+        if self.gateway is None:
+            return None
+        if target.startswith("/"):
+            return target
+        url, own = urlsplit(target), urlsplit(self.url)
+        with contextlib.suppress(ValueError):
+            if url.scheme == "http" and url.hostname in (own.hostname, "localhost") and url.port == own.port:
+                return (url.path or "/") + ("?" + url.query if url.query else "")
+        return None
 
     @staticmethod
     async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:

@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import signal
 import time
 import uuid
@@ -37,8 +38,9 @@ from aap.messages import denial_text
 
 from ..base import AgentError, PermissionAnswer, Runtime, StopReason, ToolCall, TurnContext
 from . import limits, routing, sandbox, workspace
-from .config import CONFIG_SCHEMA, Config
+from .config import CONFIG_SCHEMA, Config, check
 from .conversion import STOP_REASONS, TOOL_KINDS, data_uri, tool_input, tool_text
+from .gateway import GatewaySpec
 from .process import AgentProcess, ProcessSpec
 from .session import AcpSession, CallState, PermissionWaiter, Prompt
 from .terminals import Terminals
@@ -88,6 +90,15 @@ class AcpRuntime(Runtime):
     def pinned_worker(self, *, session_id: str) -> str | None:
         return routing.holder_sync(session_id)
 
+    @classmethod
+    def validate_config(cls, config) -> dict:
+        config = super().validate_config(config)
+        problem = check(config)
+        if problem is not None:
+            where, sentence = problem
+            raise ValueError(f"Runtime configuration for '{cls.kind}' is invalid at '{where}': {sentence}.")
+        return config
+
     # --- a turn -------------------------------------------------------------------------
 
     async def run(self, ctx: TurnContext) -> StopReason:
@@ -122,6 +133,7 @@ class AcpRuntime(Runtime):
 
     async def _pump(self, ctx: TurnContext, session: AcpSession, prompt: Prompt, cfg: Config) -> StopReason:
         prompt.active = True
+        prompt.attach(ctx)  # the model gateway's usage of this prompt counts for this turn
         try:
             while True:
                 quiet = time.monotonic() - session.last_activity
@@ -140,6 +152,7 @@ class AcpRuntime(Runtime):
                     return await self._finish(ctx, session, prompt, payload)
         finally:
             prompt.active = False
+            prompt.ctx = None
 
     async def _update(self, ctx: TurnContext, prompt: Prompt, update) -> None:
         kind = update.session_update
@@ -266,7 +279,7 @@ class AcpRuntime(Runtime):
         reason = result.stop_reason
         if reason == "cancelled":
             ctx.set_stop_meta(cancelled=True)
-        if result.usage is not None:
+        if result.usage is not None and not prompt.metered:  # the gateway's count, when it has one
             ctx.add_usage(prompt_tokens=result.usage.input_tokens, completion_tokens=result.usage.output_tokens)
         return STOP_REASONS.get(reason, "end_turn")
 
@@ -324,17 +337,18 @@ class AcpRuntime(Runtime):
             raise AgentError(f"The session's workspace cannot be created ({type(exc).__name__}).") from None
 
     def _build_spec(self, ctx: TurnContext, cfg: Config) -> ProcessSpec:
+        gateway = self._gateway(ctx, cfg)
         option_env = {
             route["env"]: ctx.options[name]
             for name, route in cfg.options.items()
-            if "env" in route and ctx.options.get(name)
+            if "env" in route and ctx.options.get(name) and not (cfg.gateway and name == cfg.gateway.key_option)
         }
         per_session = cfg.isolation == "session"
         # The isolation unit is a process: a session's own, or one a tenant's sessions share.
-        identity = json.dumps(
-            [ctx.tenant, ctx.agent_name, ctx.config, option_env, ctx.session_id if per_session else None],
-            sort_keys=True,
-        )
+        parts = [ctx.tenant, ctx.agent_name, ctx.config, option_env, ctx.session_id if per_session else None]
+        if gateway is not None:  # the key it holds: sessions with different keys never share a unit
+            parts.append(gateway.key)
+        identity = json.dumps(parts, sort_keys=True)
         key = hashlib.sha256(identity.encode()).hexdigest()
         if per_session:
             home = workspace.session_home(ctx.tenant, ctx.session_id, ctx.agent_name)
@@ -368,6 +382,21 @@ class AcpRuntime(Runtime):
             terminal_timeout=cfg.terminal_timeout,
             terminal_output_bytes=cfg.terminal_output_bytes,
             idle=cfg.idle,
+            gateway=gateway,
+        )
+
+    @staticmethod
+    def _gateway(ctx: TurnContext, cfg: Config) -> GatewaySpec | None:
+        """The unit's model gateway: the key (the session's option value, the tenant's secret or
+        the operator's default) stays in the worker; the agent gets a token of its own."""
+        if cfg.gateway is None:
+            return None
+        return GatewaySpec(
+            base_url=cfg.gateway.base_url,
+            url_env=cfg.gateway.url_env,
+            token_env=cfg.gateway.key_env,
+            key=ctx.options.get(cfg.gateway.key_option) or "",
+            token=secrets.token_urlsafe(32),
         )
 
     @staticmethod

@@ -96,6 +96,26 @@ class Prompt:
     active: bool = False  # a turn is draining it right now
     parked_at: float | None = None  # when its turn ended with tool_use
     finished_at: float | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    ctx: Any = None  # the TurnContext of the turn draining it right now
+    usage: list[tuple[int, int]] = field(default_factory=list)  # metered while no turn drained it
+    metered: bool = False  # the model gateway counted its usage (the agent's own report is not used)
+
+    def add_usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """Model usage of this prompt (from the model gateway): its turn's; while the prompt
+        waits on the application, kept for the turn that drains it next."""
+        self.metered = True
+        if self.ctx is not None:
+            self.ctx.add_usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+        else:
+            self.usage.append((prompt_tokens, completion_tokens))
+
+    def attach(self, ctx) -> None:
+        """`ctx`'s turn drains this prompt from now on (and gets the usage kept for it)."""
+        self.ctx = ctx
+        usage, self.usage = self.usage, []
+        for prompt_tokens, completion_tokens in usage:
+            ctx.add_usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
     async def next(self, timeout: float):
         """The next item `(kind, payload)`, or None after `timeout` seconds of nothing."""
