@@ -26,6 +26,9 @@ from agents.runtimes.acp_bridge import cgroups, limits, sandbox
 
 SANDBOX_OFF = os.environ.get("AAP_TEST_SANDBOX_OFF") == "1"
 
+if os.environ.get("AAP_REQUIRE_NAMESPACES") == "1" and sandbox.namespaces_missing():
+    raise RuntimeError("AAP_REQUIRE_NAMESPACES=1 but: " + "; ".join(sandbox.namespaces_missing()))
+
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the unit a uid of its own (CI runs as root)"),
     pytest.mark.skipif(

@@ -212,3 +212,31 @@ def exit_sentence(code: int, limits: Limits) -> str | None:
     """A limit the exit code shows the agent ran into, as a sentence."""
     text = _SIGNAL_SENTENCES.get(-code) if code < 0 else None
     return text.format(cpu=limits.cpu_seconds, disk=mib(limits.disk_bytes)) if text else None
+
+
+def namespace_members(outer_pid: int) -> tuple[list[int], int]:
+    """The processes of the PID namespace whose first process is a child of `outer_pid` (the
+    launcher, become bubblewrap), and their task count."""
+    try:
+        children = Path(f"/proc/{outer_pid}/task/{outer_pid}/children").read_text().split()
+        namespace = os.readlink(f"/proc/{children[0]}/ns/pid") if children else None
+    except OSError:
+        namespace = None
+    if namespace is None:
+        return [], 0
+    pids, tasks = [], 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{name}/ns/pid") != namespace:
+                continue
+            status = Path(f"/proc/{name}/status").read_text()
+        except OSError:
+            continue
+        pids.append(int(name))
+        for line in status.splitlines():
+            if line.startswith("Threads:"):
+                tasks += int(line.split()[1])
+                break
+    return pids, tasks

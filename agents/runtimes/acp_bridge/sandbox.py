@@ -2,17 +2,19 @@
 
 Every ACP agent process (and every `terminal/*` command) is started through the launcher
 `sandbox_exec.py`, which confines itself before it execs the agent (see its docstring).
-This module decides the policy: the isolation unit and its uid (when the service runs as
-root), the directories it may write (its workspace(s) and HOME) and read (the system and the
-agent's installation), the TCP port it may connect to (its egress proxy), its resource
-limits, and its environment, built from scratch. It also watches a running unit (process
-count, memory, workspace disk use) and stops it when it goes past a limit.
+This module decides the policy: the mode (`mode()`: namespaces under bubblewrap where the
+host allows it, else the Landlock + seccomp fallback, logged with the reason), the
+isolation unit and its uid (when the service runs as root), the directories it may write
+(its workspace(s) and HOME) and read (the system and the agent's installation), its way out
+(the egress proxy: a unix socket mounted into its network namespace, or a TCP port in the
+fallback), its resource limits, and its environment, built from scratch and handed to the
+launcher as data (`env_descriptor`), never as the launcher's own.
 
-Where the kernel lacks what the sandbox needs, `missing()` names it and the agent refuses
+Where the host lacks what the mode in force needs, `gaps()` names it and the agent refuses
 to start, unless the operator set `unsafeWithoutSandbox` for that agent.
 
-A little over ~400 lines on purpose: the policy is one security boundary, and its parts (the
-unit's uid, its paths, its environment) are reviewed together.
+Longer than ~400 lines on purpose: the policy is one security boundary, and its parts (the
+mode, the unit's uid, its paths, its environment) are reviewed together.
 """
 
 from __future__ import annotations

@@ -1,17 +1,28 @@
 """The sandbox launcher: confines itself, then execs the ACP agent in its place.
 
 Run by the worker as `python -I sandbox_exec.py POLICY_JSON -- COMMAND ARGS...` (by file
-path, never importing the service: nothing of Django or the settings is loaded here). In
-this order, before any code of the agent runs:
+path, never importing the service: nothing of Django or the settings is loaded here), with
+a fixed environment. The agent's environment arrives as data on an inherited memfd
+(`env_fd` in the policy) and is applied only by the final `execve`, after every wall is up:
+nothing the agent or a tenant controls (`LD_PRELOAD`, ...) reaches code that runs as root.
 
-1. resource limits (memory, CPU time, processes, file size, open files, no core dumps);
-2. when started as root: drop to the isolation unit's own uid and gid, no supplementary groups;
-3. Landlock: read-only the system and the agent's installation, read-write its workspace and
-   HOME, TCP connect only to the egress proxy's port, no bind; signals and abstract unix
-   sockets scoped to the sandbox; ptrace of anything outside is refused by Landlock itself;
-4. seccomp: sockets only of the families TCP/IP uses, as streams (no unix sockets to the
-   database's socket file, no UDP, no netlink, no raw sockets); no io_uring;
-5. exec the agent (the resolved absolute path) with the environment the worker built.
+Namespaces mode (`"mode": "namespaces"`), in this order:
+1. join the unit's cgroups; resource limits; drop to the unit's uid (when started as root);
+2. exec bubblewrap with a fixed environment: new user (no further ones), mount, PID, IPC,
+   UTS, cgroup and network namespaces, a root of read-only system paths plus the writable
+   workspace and HOME, its own /proc, /dev and tmpfs /tmp; the egress socket and this file
+   mounted under /run/aap;
+3. inside (`--inner`): read the agent's environment, fork the relay (127.0.0.1:relay_port
+   -> the egress socket, the namespace's only way out), apply the seccomp filter, exec.
+
+Fallback mode (no namespaces): cgroups, resource limits, uid drop, then Landlock (read-only
+the system and the agent's installation, read-write its workspace and HOME, TCP connect
+only to the egress proxy's port, no bind; signals and abstract unix sockets scoped), then
+the seccomp filter (sockets as an allowlist: TCP/IP streams only; no listen, no TCP Fast
+Open, no System V IPC), then exec.
+
+In both, seccomp refuses new namespaces, clone3, userfaultfd, keyctl, bpf, perf_event_open,
+io_uring, ptrace and the other calls listed in `_seccomp`.
 
 Any failure exits with EXIT_SETUP_FAILED and one line on stderr starting with `aap-sandbox:`,
 which the worker turns into the turn's error sentence. The line names no secret: the policy
@@ -19,6 +30,7 @@ holds paths, ports and numbers only.
 
 `--kill-uid UID` (as root) becomes UID and kills every process of that uid: how the worker
 stops an isolation unit, whatever process groups or sessions its processes made.
+`--probe BWRAP UID` tries the namespaces once, as UID (-1: as itself).
 """
 
 from __future__ import annotations
