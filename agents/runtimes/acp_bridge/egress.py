@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -28,6 +29,9 @@ HEAD_LIMIT = 64 * 1024
 HEAD_TIMEOUT = 30.0
 CONNECT_TIMEOUT = 15.0
 CHUNK = 64 * 1024
+# Connections one agent process may hold open through its proxy at once: each costs the
+# worker two descriptors, shared by every unit it runs.
+MAX_CONNECTIONS = 64
 
 
 def parse_destination(entry: str) -> tuple[str, int]:
@@ -43,16 +47,27 @@ class EgressProxy:
         self.label = label
         self.gateway = gateway  # serves requests to the proxy itself
         self.server: asyncio.base_events.Server | None = None
-        self.port: int | None = None
+        self.port: int | None = None  # where it listens on the host's loopback (fallback mode)
+        self.unix_path: str | None = None  # where it listens instead (namespaces mode)
+        self.agent_port: int | None = None  # the port the agent reaches it on
         self._tasks: set[asyncio.Task] = set()
+        self._full = False  # refusing connections past MAX_CONNECTIONS (logged once per run of them)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """The proxy's address as the agent sees it."""
+        return f"http://127.0.0.1:{self.agent_port}"
 
-    async def start(self) -> int:
+    async def start(self, *, unix_path: str | None = None, agent_port: int | None = None) -> int | None:
+        """Listen on the host's loopback (an ephemeral port), or on `unix_path`, a socket
+        mounted into the agent's own network namespace, where a relay serves it on
+        127.0.0.1:`agent_port`."""
+        if unix_path is not None:
+            self.server = await asyncio.start_unix_server(self._serve, unix_path, limit=HEAD_LIMIT)
+            self.unix_path, self.agent_port = unix_path, agent_port
+            return None
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, limit=HEAD_LIMIT)
-        self.port = self.server.sockets[0].getsockname()[1]
+        self.port = self.agent_port = self.server.sockets[0].getsockname()[1]
         return self.port
 
     async def close(self) -> None:
@@ -63,8 +78,24 @@ class EgressProxy:
         self.server = None
         if self.gateway is not None:
             await self.gateway.close()
+        if self.unix_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.unix_path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._tasks) >= MAX_CONNECTIONS:  # each costs the worker two descriptors
+            if not self._full:
+                logger.warning(
+                    "sandbox: agent %s holds %s connections through its egress proxy; more are refused",
+                    self.label,
+                    MAX_CONNECTIONS,
+                )
+            self._full = True
+            with contextlib.suppress(Exception):
+                writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                writer.close()
+            return
+        self._full = False
         task = asyncio.current_task()
         self._tasks.add(task)
         try:
