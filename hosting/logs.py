@@ -44,6 +44,11 @@ def bind_log_context(**ids: str | None) -> None:
     _ids.set({**_ids.get(), **_clean(ids)})
 
 
+def reset_log_context(**ids: str | None) -> None:
+    """Make `ids` the whole log context of this context (nothing inherited)."""
+    _ids.set(_clean(ids))
+
+
 def current_log_context() -> dict[str, str]:
     return dict(_ids.get())
 

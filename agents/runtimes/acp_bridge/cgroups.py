@@ -193,9 +193,9 @@ def create(unit: str, limits: Limits) -> UnitGroup | None:
     if isinstance(found, str):
         return None
     group = UnitGroup(found, tuple(base / _name(unit) for base in found.bases))
+    group.remove()  # a fresh group: nothing left running, no counters of an earlier process
     for directory in group.dirs:
         directory.mkdir(exist_ok=True)
-    group.kill()
     memory = str(limits.memory_bytes)
     if found.version == 2:
         directory = group.dirs[0]

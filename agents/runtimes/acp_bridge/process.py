@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -32,9 +33,10 @@ import acp
 from acp import schema
 from acp._transport import NdjsonTransport
 from acp.task import MessageSender, TaskSupervisor
+from django.conf import settings
 
 from agents.runtimes.base import AgentError
-from hosting import metrics
+from hosting import logs, metrics
 
 from . import cgroups, limits, sandbox, workspace
 from .egress import EgressProxy
@@ -44,6 +46,7 @@ from .session import AcpSession
 logger = logging.getLogger("agents.runtimes.acp")
 
 PROTOCOL_VERSION = 1
+TERM_GRACE_SECONDS = 2.0  # after SIGTERM (a graceful stop's grace is over), before SIGKILL
 STREAM_LIMIT = 1024 * 1024
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -230,6 +233,7 @@ class AgentProcess:
         self._policy: dict | None = None
         self.mode: str | None = None  # the sandbox mode it started in
         self.cgroup: cgroups.UnitGroup | None = None
+        self._oom_base = 0  # the kernel's OOM kills in its cgroup before it started
         self._disk_floor = 0  # disk use that does not count as a breach (what the unit had at start)
         self._breach = False
 
@@ -298,7 +302,13 @@ class AgentProcess:
         self._output = _AgentOutput(self.process.stdout, self.process.stdin)
         self.conn = acp.connect_to_agent(BridgeClient(self), self._output)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._drain_stderr()), loop.create_task(self._watch())]
+        # Its own log ids, not those of the turn that happened to start it (a process outlives
+        # that turn and may serve other sessions).
+        unit_context = self.log_context()
+        self._tasks = [
+            loop.create_task(self._drain_stderr(), context=unit_context.copy()),
+            loop.create_task(self._watch(), context=unit_context.copy()),
+        ]
         capabilities = schema.ClientCapabilities(
             fs=schema.FileSystemCapabilities(read_text_file=True, write_text_file=True), terminal=self.spec.terminal
         )
@@ -369,6 +379,7 @@ class AgentProcess:
         )
         async with _unit_lock(box.unit):
             self.cgroup = await asyncio.to_thread(cgroups.create, box.unit, box.limits)
+            self._oom_base = self.cgroup.oom_kills() if self.cgroup else 0
         procs = self.cgroup.procs_files if self.cgroup else []
         if namespaces:
             policy = sandbox.namespace_policy(policy, egress_socket=egress_socket, cgroup_procs=procs)
@@ -405,13 +416,17 @@ class AgentProcess:
         bounds = box.limits
         if snap is None:
             snap = await asyncio.to_thread(limits.snapshot)
-        pids, tasks = snap.unit(uid=self.uid, pgid=self.process.pid)
+        pids, tasks = await asyncio.to_thread(self._members, snap)
         # What no path leads to: memfds (memory) and deleted files it keeps open (disk).
         hidden_memory, hidden_disk = await asyncio.to_thread(limits.hidden_bytes, pids)
         breach = None
         if tasks >= bounds.processes:
             breach = f"The agent reached its limit of {bounds.processes} processes and threads"
-        elif await asyncio.to_thread(limits.resident_bytes, pids) + hidden_memory > bounds.memory_bytes:
+        elif self.cgroup is not None and self.cgroup.oom_kills() > self._oom_base:  # the kernel held the limit
+            breach = f"The agent used more than its memory limit of {limits.mib(bounds.memory_bytes)}"
+        elif self.cgroup is None and (
+            await asyncio.to_thread(limits.resident_bytes, pids) + hidden_memory > bounds.memory_bytes
+        ):
             breach = f"The agent used more than its memory limit of {limits.mib(bounds.memory_bytes)}"
         elif disk:
             used = await asyncio.to_thread(limits.disk_bytes, box.writable) + hidden_disk
@@ -428,6 +443,33 @@ class AgentProcess:
         logger.warning("ACP agent %s: %s", self.spec.label, breach)
         await self.stop(breach, kill=True)
         return breach
+
+    def log_ids(self) -> dict[str, str | None]:
+        """The unit's own log ids: its tenant, and its session when the unit is one session's
+        (nothing of whichever turn is running)."""
+        kind, _, rest = (self.spec.sandbox.unit if self.spec.sandbox else "").partition(":")
+        tenant, _, detail = rest.partition("/")
+        return {"tenant": tenant or None, "session": detail if kind == "session" else None}
+
+    def log_context(self) -> contextvars.Context:
+        """A context whose log ids are only the unit's own (log_ids)."""
+        ids = self.log_ids()
+
+        def fresh() -> contextvars.Context:
+            logs.reset_log_context(**ids)
+            return contextvars.copy_context()
+
+        return contextvars.Context().run(fresh)
+
+    def _members(self, snap: limits.Snapshot) -> tuple[list[int], int]:
+        """The unit's processes and their task count: its cgroup's where it has one (the
+        kernel's own count), else its uid's, else its PID namespace's (namespaces mode: what
+        it started cannot leave it), else its process group's."""
+        if self.cgroup is not None:
+            return self.cgroup.pids(), self.cgroup.tasks()
+        if self.uid is None and self.mode == "namespaces" and self.process is not None:
+            return limits.namespace_members(self.process.pid)
+        return snap.unit(uid=self.uid, pgid=self.process.pid if self.process else None)
 
     def _gateway(self) -> ModelGateway | None:
         if self.spec.gateway is None:
@@ -564,12 +606,13 @@ class AgentProcess:
             if kill:
                 metrics.acp_process_killed()
                 self._signal(signal.SIGKILL)
-            else:
+            else:  # as the agent expects: stdin closed (Agentao saves its sessions then), time to exit
                 with contextlib.suppress(Exception):
                     process.stdin.close()
-                for sig in (signal.SIGTERM, signal.SIGKILL):
+                waits = ((settings.AAP_ACP_STOP_GRACE_SECONDS, signal.SIGTERM), (TERM_GRACE_SECONDS, signal.SIGKILL))
+                for seconds, sig in waits:
                     try:
-                        await asyncio.wait_for(asyncio.shield(process.wait()), 2)
+                        await asyncio.wait_for(asyncio.shield(process.wait()), seconds)
                         break
                     except TimeoutError:
                         self._signal(sig)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -35,11 +36,12 @@ import acp
 from django.conf import settings
 
 from aap.messages import denial_text
+from hosting.logs import log_context
 
 from ..base import AgentError, PermissionAnswer, Runtime, StopReason, ToolCall, TurnContext
 from . import limits, routing, sandbox, workspace
 from .config import CONFIG_SCHEMA, Config, check
-from .conversion import STOP_REASONS, TOOL_KINDS, data_uri, tool_input, tool_text
+from .conversion import STOP_REASONS, TOOL_KINDS, data_uri, tool_text
 from .gateway import GatewaySpec
 from .process import AgentProcess, ProcessSpec
 from .session import AcpSession, CallState, PermissionWaiter, Prompt
@@ -49,6 +51,9 @@ logger = logging.getLogger("agents.runtimes.acp")
 
 CANCEL_GRACE_SECONDS = 10.0
 REAP_INTERVAL_SECONDS = 2.0
+# A shutdown waits for the graceful stops (AAP_ACP_STOP_GRACE_SECONDS each, all at once) and
+# this much more for what follows an agent's exit (SIGTERM's wait, closing the connection).
+SHUTDOWN_SLACK_SECONDS = 15.0
 
 
 class AcpRuntime(Runtime):
@@ -70,7 +75,9 @@ class AcpRuntime(Runtime):
         self._acp_ids: dict[str, str] = {}  # AAP session id -> last ACP session id
         self._holds = routing.Holds()
         self._background: list[asyncio.Task] = []
-        atexit.register(self._kill_all)
+        self._stopping: dict[str, tuple[AgentProcess, asyncio.Future]] = {}  # graceful stops by key
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop its processes live on
+        atexit.register(self.shutdown)  # a worker's shutdown calls it first; then a no-op
         sandbox.harden_host()  # before any agent runs: nothing may read this process's memory
 
     # --- the registry's view ------------------------------------------------------------
@@ -162,38 +169,42 @@ class AcpRuntime(Runtime):
                 name = "text_delta" if kind == "agent_message_chunk" else "thinking_delta"
                 await ctx.emit({"event": name, "delta": content.text})
         elif kind in ("tool_call", "tool_call_update"):
-            state = await self._show_call(ctx, prompt, update)
-            if update.content is not None:
-                state.content = update.content
-            if update.raw_output is not None:
-                state.raw_output = update.raw_output
+            # Merged into the call's state on arrival (AcpSession.on_update). A call is shown when
+            # it runs, ends, or asks permission: agents may fill its input in later updates.
+            state = prompt.call_state(update)
+            if update.status in ("in_progress", "completed", "failed"):
+                await self._show_call(ctx, state, update.tool_call_id)
             if update.status in ("completed", "failed") and not state.resolved:
-                await self._result(ctx, state, tool_text(state, update.status))
+                await self._result(ctx, state, self._changed_after_allowed(state) + tool_text(state, update.status))
         # plan, available_commands_update, current_mode_update, user_message_chunk and the
         # other session updates have no AAP event: they are skipped, never an error.
 
-    async def _show_call(self, ctx: TurnContext, prompt: Prompt, tool_call) -> CallState:
-        """The call's state; emits its `tool_call` event the first time the call is seen."""
-        state = prompt.calls.get(tool_call.tool_call_id)
-        if state is None:
-            # AAP ids are the service's own: ACP ids are only unique within one ACP session.
-            state = CallState(
-                kind=tool_call.kind or "other", aap_id="call_" + uuid.uuid4().hex, input=tool_input(tool_call.raw_input)
-            )
-            prompt.calls[tool_call.tool_call_id] = state
-            meta = {"acpToolCallId": tool_call.tool_call_id}
-            if tool_call.title:
-                meta["title"] = tool_call.title
-            await ctx.emit(
-                {
-                    "event": "tool_call",
-                    "toolCallId": state.aap_id,
-                    "name": state.kind,
-                    "input": state.input,
-                    "_meta": meta,
-                }
-            )
-        return state
+    async def _show_call(self, ctx: TurnContext, state: CallState, acp_id: str, *, asking: bool = False) -> None:
+        """Emit the call's `tool_call` event with what the agent sent for it so far, once; when
+        asking permission for an input other than the one shown, as a new AAP tool call."""
+        if state.aap_id is not None and not (asking and state.shown != state.binding):
+            return
+        if state.aap_id is not None and not state.resolved:
+            await self._result(ctx, state, "The agent changed this tool call's input; the next tool call shows it.")
+        # AAP ids are the service's own: ACP ids are only unique within one ACP session.
+        state.aap_id, state.shown, state.resolved = "call_" + uuid.uuid4().hex, state.binding, False
+        meta: dict = {"acpToolCallId": acp_id}
+        if state.title:
+            meta["title"] = state.title
+        if state.locations:
+            meta["locations"] = state.locations
+        await ctx.emit(
+            {"event": "tool_call", "toolCallId": state.aap_id, "name": state.kind, "input": state.input, "_meta": meta}
+        )
+
+    @staticmethod
+    def _changed_after_allowed(state: CallState) -> str:
+        """A note when the agent changed a call after the application allowed it (the agent
+        holds the permission then: the application's record says what ran)."""
+        if state.allowed is None or state.allowed == state.binding:
+            return ""
+        logger.warning("an ACP agent changed a tool call's input after it was allowed")
+        return f"The agent changed this call after it was allowed, to: {json.dumps(state.input, default=str)}\n"
 
     async def _result(self, ctx: TurnContext, state: CallState, content: str) -> None:
         state.resolved = True
@@ -202,9 +213,12 @@ class AcpRuntime(Runtime):
     async def _permission(
         self, ctx: TurnContext, session: AcpSession, prompt: Prompt, waiter: PermissionWaiter
     ) -> bool:
-        """Answer a permission request, or hand it to the application (returns True: park)."""
-        state = await self._show_call(ctx, prompt, waiter.tool_call)
-        kind = waiter.tool_call.kind or state.kind
+        """Answer a permission request, or hand it to the application (returns True: park).
+        It is asked for the call as the agent last described it (its updates and the request's
+        own toolCall merged), and a grant holds for that kind and input only."""
+        state = prompt.call_state(waiter.tool_call)
+        await self._show_call(ctx, state, waiter.call_id, asking=True)
+        kind = state.kind
         if waiter.decided:  # timed out (or cancelled) before a turn saw it
             if not state.resolved:
                 await self._result(ctx, state, denial_text(self._expiry(waiter)))
@@ -217,6 +231,7 @@ class AcpRuntime(Runtime):
         if binding.trust:
             waiter.allow()
             return False
+        waiter.asked = state.binding
         ctx.request_permission(ToolCall(state.aap_id, kind, state.input))
         prompt.waiting[state.aap_id] = waiter
         prompt.parked_at = time.monotonic()
@@ -230,19 +245,31 @@ class AcpRuntime(Runtime):
         return "the agent no longer waits for this answer"
 
     async def _answer(self, ctx: TurnContext, prompt: Prompt, answers: list[PermissionAnswer]) -> None:
-        states = {state.aap_id: state for state in prompt.calls.values()}
         for answer in answers:
             call_id = answer.call.toolCallId
             waiter = prompt.waiting.pop(call_id, None)
-            state = states.get(call_id) or CallState(kind=answer.call.name, aap_id=call_id)
+            state = prompt.calls.get(waiter.call_id) if waiter is not None else None
+            if state is None or state.aap_id != call_id:
+                state = CallState(kind=answer.call.name, aap_id=call_id)
             if waiter is None or waiter.decided:
                 reason = self._expiry(waiter) if waiter else "the agent no longer waits for this answer"
                 await self._result(ctx, state, denial_text(reason))
-            elif answer.granted:
-                waiter.allow()  # the agent runs it; its tool_result comes with the agent's update
-            else:
+            elif not answer.granted:
                 waiter.reject()
                 await self._result(ctx, state, denial_text(answer.reason))
+            elif state.binding != waiter.asked:
+                # The agent changed the call after the application was asked: the grant is not
+                # for what would run. The same request is asked again, with the new input.
+                await self._result(
+                    ctx,
+                    state,
+                    denial_text("the agent changed the call's input after permission was asked; asked again"),
+                )
+                waiter.ask_again()
+                prompt.queue.put_nowait(("permission", waiter))
+            else:
+                state.allowed = state.binding
+                waiter.allow()  # the agent runs it; its tool_result comes with the agent's update
 
     async def _answer_lost(self, ctx: TurnContext) -> StopReason:
         for answer in ctx.permissions:
@@ -285,8 +312,9 @@ class AcpRuntime(Runtime):
 
     async def _close_calls(self, ctx: TurnContext, prompt: Prompt) -> None:
         """Give every shown tool call a result, so no tool_use is left dangling in history."""
-        for state in prompt.calls.values():
+        for acp_id, state in list(prompt.calls.items()):  # the agent may add calls meanwhile
             if not state.resolved:
+                await self._show_call(ctx, state, acp_id)
                 await self._result(ctx, state, tool_text(state, None))
 
     async def _hung(self, session: AcpSession, cfg: Config) -> str:
@@ -413,6 +441,8 @@ class AcpRuntime(Runtime):
             return process
         lock = self._starting.setdefault(spec.key, asyncio.Lock())
         async with lock:
+            if spec.key in self._stopping:  # the previous process of this unit may be saving its sessions
+                await asyncio.wait({self._stopping[spec.key][1]})
             process = self._processes.get(spec.key)
             if process is None or not process.alive:
                 process = AgentProcess(spec)
@@ -569,11 +599,12 @@ class AcpRuntime(Runtime):
     def _start_background(self) -> None:
         if self._background and not any(task.done() for task in self._background):
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._background = [
-            loop.create_task(self._reap_forever()),
-            loop.create_task(self._watch_limits_forever()),
-            loop.create_task(routing.listen_deleted(self._on_deleted_elsewhere)),
+            # A fresh context each: no log ids of the turn that happened to start them.
+            loop.create_task(self._reap_forever(), context=contextvars.Context()),
+            loop.create_task(self._watch_limits_forever(), context=contextvars.Context()),
+            loop.create_task(routing.listen_deleted(self._on_deleted_elsewhere), context=contextvars.Context()),
         ]
 
     def _on_deleted_elsewhere(self, session_id: str) -> None:
@@ -602,7 +633,8 @@ class AcpRuntime(Runtime):
             try:
                 snap = await asyncio.to_thread(limits.snapshot)
                 for process in watched:
-                    await process.check_limits(snap, disk=bool(process.users) or tick % 5 == 0)
+                    with log_context(**process.log_ids()):
+                        await process.check_limits(snap, disk=bool(process.users) or tick % 5 == 0)
             except Exception as exc:
                 logger.warning("checking ACP agents against their limits failed: %s", type(exc).__name__)
 
@@ -628,10 +660,54 @@ class AcpRuntime(Runtime):
             self._processes.pop(key, None)
             for session in sessions:
                 self._sessions.pop(session.aap_id, None)
-            await process.stop("The agent process was idle.")
+            with log_context(**process.log_ids()):
+                await self._stop_gracefully(key, process, "The agent process was idle.")
+
+    async def _stop_gracefully(self, key: str, process: AgentProcess, reason: str) -> None:
+        """Stop a process as the agent expects (stdin closed, then AAP_ACP_STOP_GRACE_SECONDS
+        to exit); a new process of the same unit starts only once it is gone."""
+        stopping = asyncio.ensure_future(process.stop(reason))
+        self._stopping[key] = (process, stopping)
+        try:
+            await asyncio.shield(stopping)
+        finally:
+            if self._stopping.get(key, (None, None))[1] is stopping:
+                del self._stopping[key]
+
+    # --- the process exits: a worker's shutdown (SIGTERM: a deploy, a restart) -------------
+
+    def shutdown(self) -> None:
+        """Stop every agent process gracefully, all at once, bounded: agents that save their
+        sessions on exit (Agentao does, on stdin EOF) resume them in the next worker's
+        `session/load`. What is still running after the bound is killed."""
+        loop = self._loop
+        if loop is not None and loop.is_running() and (self._processes or self._stopping):
+            try:
+                on_loop = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                on_loop = False
+            if not on_loop:  # never the case but in a misuse; blocking there would deadlock
+                future = asyncio.run_coroutine_threadsafe(self._stop_all("The worker is shutting down."), loop)
+                try:
+                    future.result(settings.AAP_ACP_STOP_GRACE_SECONDS + SHUTDOWN_SLACK_SECONDS)
+                except Exception as exc:
+                    logger.warning("stopping the ACP agents gracefully failed: %s", type(exc).__name__)
+        self._kill_all()
+
+    async def _stop_all(self, reason: str) -> None:
+        processes = [(key, process) for key, process in self._processes.items() if not process.starting]
+        for key, _ in processes:
+            del self._processes[key]
+        for session_id in list(self._sessions):
+            await self._holds.release(session_id)  # its prompt ends with this process
+        self._sessions.clear()
+        stops = [self._stop_gracefully(key, process, reason) for key, process in processes]
+        await asyncio.gather(*stops, *(stopping for _, stopping in self._stopping.values()), return_exceptions=True)
 
     def _kill_all(self) -> None:
-        for process in list(self._processes.values()):
-            if process.pid:
+        """Kill every process not yet stopped (the last resort at exit)."""
+        stopping = [process for process, _ in list(self._stopping.values())]
+        for process in list(self._processes.values()) + stopping:
+            if process.pid and process.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(process.pid, signal.SIGKILL)
