@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 
-import pytest
-
 from agents.runtimes.acp_bridge import egress
 from agents.runtimes.acp_bridge.egress import EgressProxy
 

@@ -342,3 +342,46 @@ print(urllib.request.urlopen("http://127.0.0.1:{sandbox.RELAY_PORT}/x", timeout=
     finally:
         server.close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+SPIN = """
+import os, resource, time
+def spin(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+children = []
+for _ in range(SPINNERS):
+    pid = os.fork()
+    if pid == 0:
+        spin(4)
+        os._exit(0)
+    children.append(pid)
+if not children:
+    spin(4)
+for pid in children:
+    os.waitpid(pid, 0)
+own = resource.getrusage(resource.RUSAGE_SELF)
+kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+print("cpu", own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime)
+"""
+
+
+@pytest.mark.skipif(isinstance(cgroups.layout(), str), reason="no writable cgroup here")
+def test_a_unit_full_of_spinners_gets_one_share_of_the_cpu_not_one_per_process(unit):
+    """Eight spinners in one unit against one in another: with a CPU share per unit, each
+    unit gets about half of what the two use (without, the lone spinner gets about 1/9).
+    A ratio of CPU times the units report themselves, not a duration."""
+    greedy, modest = unit(), unit()
+    results = {}
+
+    def run(name, one, spinners):
+        results[name] = one.run(SPIN.replace("SPINNERS", str(spinners)), timeout=60)
+
+    thread = threading.Thread(target=run, args=("greedy", greedy, 8))
+    thread.start()
+    run("modest", modest, 0)
+    thread.join()
+    cpu = {name: float(done.stdout.split("cpu ")[1]) for name, done in results.items()}
+    share = cpu["modest"] / (cpu["modest"] + cpu["greedy"])
+    assert share > 0.3, (share, cpu)
