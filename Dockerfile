@@ -21,6 +21,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# bubblewrap: the worker starts each ACP agent in namespaces of its own (user, mount, pid, ipc,
+# net, uts) as the unprivileged service user; its container needs deploy/seccomp-worker.json
+# (docs/acp-agents.md, "In Docker compose"). Small (libcap2, libselinux1), so in every image.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/*
+
 # ACP agents: Node.js and npm from Debian, agentao from PyPI, npm agents globally.
 RUN if [ "$ACP" = "1" ]; then \
         apt-get update \

@@ -4,7 +4,8 @@
 #   web        Daphne on 0.0.0.0:8000 (AAP API, admin, /healthz)
 #   worker     a Celery worker running turns (WORKER_CONCURRENCY threads)
 #   beat       the Celery beat scheduler (the stale-turn sweep)
-#   init       wait for PostgreSQL, migrate, apply the mounted agents file (every `up`)
+#   init       wait for PostgreSQL, migrate, grant the workers' database role (when
+#              AAP_WORKER_DATABASE_URL names one), apply the mounted agents file (every `up`)
 #   first-run  init, then create the first tenant and print its API token (once)
 #   anything else is run as given (e.g. `python manage.py create_token main`)
 #
@@ -27,6 +28,8 @@ init() {
     # One sentence (and a non-zero exit) when the database is wrong; waits while it starts.
     manage check_database --wait "${AAP_DATABASE_WAIT_SECONDS:-60}"
     manage migrate --noinput -v0
+    # After migrate, so the tables a release adds are granted too (or kept from the workers).
+    manage grant_worker_role
     if [[ -f "$AGENTS_FILE" ]]; then
         manage apply_agents "$AGENTS_FILE"
         say "init: applied the agents of $AGENTS_FILE"

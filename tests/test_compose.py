@@ -32,7 +32,17 @@ APP_SERVICES = ("init", "web", "worker", "beat")
 ENV_READ = re.compile(
     r"""(?:os\.environ\.get|os\.environ\[|os\.getenv|env_bool|env_list|env_int|env_float)\(?\s*["']([A-Z][A-Z0-9_]+)["']"""
 )
-TEST_ONLY = {"DATABASE_TEST_NAME"}  # set by scripts/test.sh for the suite's own database
+TEST_ONLY = {"DATABASE_TEST_NAME"}
+WORKER_OWN = {"DATABASE_URL", "POSTGRES_PASSWORD"}  # what the worker's environment sets apart
+# What bubblewrap needs beyond Docker's default seccomp profile (deploy/seccomp-worker.json).
+NAMESPACE_SYSCALLS = {
+    "clone",
+    "mount",
+    "pivot_root",
+    "sethostname",
+    "umount2",
+    "unshare",
+}  # set by scripts/test.sh for the suite's own database
 SHELL_VAR = re.compile(r"\$\{([A-Z][A-Z0-9_]*)")
 
 
@@ -109,8 +119,13 @@ def test_every_setting_the_code_reads_reaches_the_app_containers():
         assert not missing, (
             f"{name} never gets {missing}: pass them in docker-compose.yml or document them in .env.example"
         )
-    # The environment of the app containers is the same everywhere (one key, one database).
-    assert len({id(services[name]["environment"]) for name in APP_SERVICES}) == 1
+    # The environment of the app containers is the same everywhere (one key, one database),
+    # but for the worker's login: its own role, and no owner password.
+    assert len({id(services[name]["environment"]) for name in APP_SERVICES if name != "worker"}) == 1
+    shared, worker = services["web"]["environment"], services["worker"]["environment"]
+    assert {k: v for k, v in worker.items() if k not in WORKER_OWN} == {
+        k: v for k, v in shared.items() if k not in WORKER_OWN
+    }
 
 
 def test_every_documented_setting_is_read_by_something():
@@ -187,6 +202,126 @@ def test_the_web_port_is_published_on_loopback_only_by_default():
             host = default_of(str(port)).split(":")[0]
             assert host == "127.0.0.1", f"{name} publishes {port} beyond loopback"
     assert services["caddy"]["profiles"] == ["proxy"]
+
+
+def interpolate(expression: str, values: dict) -> str:
+    """A compose expression with `${NAME:?message}` / `${NAME:-default}` / `${NAME}` resolved."""
+
+    def one(match):
+        name, op, rest = match.group(1), match.group(2) or "", match.group(3) or ""
+        if name in values and (values[name] or op != ":-"):
+            return values[name]
+        assert op != ":?", f"{name} is required: {rest}"
+        return rest
+
+    return re.sub(r"\$\{([A-Z][A-Z0-9_]*)(:[?-])?([^}]*)\}", one, expression)
+
+
+def test_postgres_and_redis_take_required_passwords_from_env():
+    import secrets
+
+    import dj_database_url
+
+    text = (ROOT / "docker-compose.yml").read_text()
+    services, env = compose()["services"], compose()["x-env"]
+    # Required like SECRET_KEY: no default password anywhere (Grafana's is its own profile's).
+    for name in ("POSTGRES_PASSWORD", "POSTGRES_WORKER_PASSWORD", "REDIS_PASSWORD"):
+        uses = re.findall(r"\$\{" + name + r"(:[?-]|\})", text)
+        assert uses and set(uses) == {":?"}, f"{name} must be required (${{{name}:?...}}) wherever compose uses it"
+    assert not re.search(r"PASSWORD:-", text.replace("GRAFANA_ADMIN_PASSWORD:-", ""))
+    example = (ROOT / ".env.example").read_text()
+    for name in ("POSTGRES_PASSWORD", "POSTGRES_WORKER_PASSWORD", "REDIS_PASSWORD"):
+        assert re.search(rf"^{name}=$", example, re.M), f".env.example leaves {name} for the operator to fill in"
+    assert "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'" in example
+
+    # Passwords of the generated kind survive the URLs they go into.
+    values = {name: secrets.token_urlsafe(32) for name in ("POSTGRES_PASSWORD", "POSTGRES_WORKER_PASSWORD")}
+    values["REDIS_PASSWORD"] = secrets.token_urlsafe(32)
+    owner = dj_database_url.parse(interpolate(env["DATABASE_URL"], values))
+    assert (owner["USER"], owner["PASSWORD"], owner["HOST"]) == ("aap", values["POSTGRES_PASSWORD"], "postgres")
+    postgres = services["postgres"]["environment"]
+    assert interpolate(postgres["POSTGRES_PASSWORD"], values) == owner["PASSWORD"]
+    assert postgres["POSTGRES_USER"] == owner["USER"] and postgres["POSTGRES_DB"] == owner["NAME"]
+    redis_url = urlsplit(interpolate(env["REDIS_URL"], values))
+    assert (redis_url.hostname, redis_url.password) == ("redis", values["REDIS_PASSWORD"])
+
+    # Redis asks for it, and its healthcheck gives it (redis-cli reads REDISCLI_AUTH).
+    redis = services["redis"]
+    command = redis["command"]
+    assert interpolate(command[command.index("--requirepass") + 1], values) == values["REDIS_PASSWORD"]
+    assert interpolate(redis["environment"]["REDISCLI_AUTH"], values) == values["REDIS_PASSWORD"]
+    assert redis["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+
+
+def test_the_worker_logs_in_as_a_role_that_cannot_change_agents():
+    services, env = compose()["services"], compose()["x-env"]
+    values = {
+        name: f"pw-{name.lower()}" for name in ("POSTGRES_PASSWORD", "POSTGRES_WORKER_PASSWORD", "REDIS_PASSWORD")
+    }
+    worker_env = services["worker"]["environment"]
+    worker_url = urlsplit(interpolate(worker_env["DATABASE_URL"], values))
+    owner_url = urlsplit(interpolate(env["DATABASE_URL"], values))
+    # Its own role on the same database, the one init grants (AAP_WORKER_DATABASE_URL)...
+    assert worker_env["DATABASE_URL"] == env["AAP_WORKER_DATABASE_URL"]
+    assert worker_url.username != owner_url.username and worker_url.path == owner_url.path
+    assert worker_url.password == values["POSTGRES_WORKER_PASSWORD"]
+    # ...and the owner's password, which env_file would pass it with every line of .env, blanked.
+    assert worker_env["POSTGRES_PASSWORD"] == ""
+    for name in APP_SERVICES:
+        if name != "worker":
+            assert services[name]["environment"]["DATABASE_URL"] == env["DATABASE_URL"], name
+    # init grants the role after every migrate (new tables included).
+    text = (ROOT / "deploy" / "entrypoint.sh").read_text()
+    body = text[text.index("init() {") : text.index("\n}\n", text.index("init() {"))]
+    assert body.index("manage migrate") < body.index("manage grant_worker_role")
+    # What it grants: sessions_app written, agents and tenants read only, tokens hidden.
+    from hosting.management.commands import grant_worker_role
+
+    writes, reads = (
+        grant_worker_role.tables(grant_worker_role.WRITES),
+        grant_worker_role.tables(grant_worker_role.READS),
+    )
+    assert {"sessions_app_session", "sessions_app_turn", "sessions_app_message", "sessions_app_worker"} <= set(writes)
+    assert {"agents_agent", "agents_agentoption", "agents_servertool", "agents_agent_tenants", "hosting_tenant"} <= set(
+        reads
+    )
+    assert not any(t.startswith(("agents_", "hosting_")) for t in writes)
+    assert "hosting_apitoken" not in reads + writes
+
+
+def test_the_worker_container_may_start_agents_in_namespaces():
+    services = compose()["services"]
+    options = services["worker"]["security_opt"]
+    assert "seccomp=./deploy/seccomp-worker.json" in options
+    assert "systempaths=unconfined" in options  # a PID namespace mounts its own /proc...
+    assert "no-new-privileges:true" in options  # ...which no setuid program can make root write to
+    assert not any(o.split("=")[0] in ("seccomp", "apparmor") and o.endswith("unconfined") for o in options)
+    for name, service in services.items():
+        if name != "worker":
+            assert "security_opt" not in service, f"{name} keeps Docker's defaults"
+
+    profile = json.loads((ROOT / "deploy" / "seccomp-worker.json").read_text())
+    assert profile["defaultAction"] == "SCMP_ACT_ERRNO"
+    *default, added = profile["syscalls"]
+    # Docker's default profile, then one rule: exactly what bubblewrap needs, for every process.
+    assert added == {"names": sorted(NAMESPACE_SYSCALLS), "action": "SCMP_ACT_ALLOW", "comment": added["comment"]}
+    unconditional = {
+        name
+        for rule in default
+        if rule["action"] == "SCMP_ACT_ALLOW" and not rule.get("args") and not rule.get("includes")
+        for name in rule["names"]
+    }
+    assert not unconditional & NAMESPACE_SYSCALLS, "the default part grants them only with CAP_SYS_ADMIN"
+    assert not unconditional & {"bpf", "keyctl", "add_key", "request_key", "setns", "kexec_load", "open_by_handle_at"}
+    assert {"landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self"} <= unconditional
+    privileged = next(rule for rule in default if rule.get("includes") == {"caps": ["CAP_SYS_ADMIN"]})
+    assert NAMESPACE_SYSCALLS - {"pivot_root"} <= set(privileged["names"])
+
+    # bubblewrap is in the image, without recommends, installed as root before USER.
+    steps = dockerfile()
+    index = next(i for i, (word, rest) in enumerate(steps) if word == "RUN" and "bubblewrap" in rest)
+    assert "--no-install-recommends bubblewrap" in steps[index][1]
+    assert index < next(i for i, (word, _) in enumerate(steps) if word == "USER")
 
 
 @pytest.fixture(scope="module")
@@ -317,6 +452,10 @@ def deployment(tmp_path_factory, log_dir):
     name = f"aap_deploy_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(server, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
+    # The workers' role, as docker-compose.yml names it (roles belong to the server: a name of its own).
+    role, password = f"aap_worker_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
+    database = urlsplit(urlunsplit(urlsplit(server)._replace(path="/" + name)))
+    worker_url = urlunsplit(database._replace(netloc=f"{role}:{password}@{database.hostname}:{database.port or 5432}"))
     redis_url = urlunsplit(urlsplit(os.environ["REDIS_URL"])._replace(path="/7"))  # apart from the suite's queues
     var = tmp_path_factory.mktemp("deploy-var")
     port = free_port()
@@ -329,6 +468,7 @@ def deployment(tmp_path_factory, log_dir):
             "SECRET_KEY": uuid.uuid4().hex * 2,
             "HOSTING_ENCRYPTION_KEYS": Fernet.generate_key().decode(),
             "DATABASE_URL": urlunsplit(urlsplit(server)._replace(path="/" + name)),
+            "AAP_WORKER_DATABASE_URL": worker_url,
             "REDIS_URL": redis_url,
             "AAP_WORKSPACE_ROOT": str(var / "workspaces"),
             "HOSTING_VAR_DIR": str(var),
@@ -342,12 +482,14 @@ def deployment(tmp_path_factory, log_dir):
     )
     deploy = Deployment(env, log_dir)
     deploy.base_url = f"http://127.0.0.1:{port}"
+    deploy.worker_env = {"DATABASE_URL": worker_url, "POSTGRES_PASSWORD": ""}  # the worker service's own
     try:
         yield deploy
     finally:
         deploy.stop()
         with psycopg.connect(server, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.execute(f'DROP ROLE IF EXISTS "{role}"')
 
 
 def test_the_deployment_serves_the_mounted_agents_and_its_first_tenant(deployment):
@@ -365,7 +507,7 @@ def test_the_deployment_serves_the_mounted_agents_and_its_first_tenant(deploymen
     assert deployment.run("init").returncode == 0
 
     web = deployment.start("web")
-    worker = deployment.start("worker")
+    worker = deployment.start("worker", **deployment.worker_env)  # as the role init granted
     headers = {"Host": "aap.example.com", "Authorization": f"Bearer {token}"}
     deadline = time.monotonic() + 90
     while True:
@@ -410,6 +552,40 @@ def test_the_deployment_serves_the_mounted_agents_and_its_first_tenant(deploymen
         == 400
     )
     assert token not in deployment.log("web") + deployment.log("worker")
+
+
+def test_the_worker_role_runs_the_sweep_but_cannot_change_agents_or_read_tokens(deployment):
+    import psycopg
+
+    assert deployment.run("init").returncode == 0  # granting again changes nothing
+    # The periodic sweep runs on a worker: as its role.
+    sweep = deployment.run(
+        "python",
+        "manage.py",
+        "shell",
+        "-v",
+        "0",
+        "-c",
+        "from sessions_app.tasks import sweep_stale_turns; sweep_stale_turns(); print('swept')",
+        **deployment.worker_env,
+    )
+    assert sweep.returncode == 0 and sweep.stdout.strip() == "swept", sweep.stderr
+    with psycopg.connect(deployment.worker_env["DATABASE_URL"], autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM agents_agent").fetchone()[0] >= 1
+        assert conn.execute("SELECT count(*) FROM hosting_tenant").fetchone()[0] >= 1
+        denied = (
+            "UPDATE agents_agent SET runtime_config = '{}'",
+            "UPDATE agents_agentoption SET \"default\" = ''",
+            "DELETE FROM agents_servertool",
+            "INSERT INTO agents_agent_tenants (agent_id, tenant_id) SELECT a.id, t.id FROM agents_agent a, hosting_tenant t",
+            "UPDATE hosting_tenant SET max_running_turns = 0",
+            "SELECT token_hash FROM hosting_apitoken",
+            "SELECT password FROM auth_user",
+            "CREATE TABLE agents_shadow (id int)",
+        )
+        for statement in denied:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(statement)
 
 
 def test_init_seeds_the_demo_on_request_without_printing_a_token(deployment):
