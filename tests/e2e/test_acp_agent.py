@@ -5,9 +5,12 @@ embedded mode)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
+import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -107,7 +110,28 @@ def said(client, session: str, text: str, **body) -> str:
 
 
 def agent_pid(client, session: str) -> int:
-    return int(said(client, session, "/pid").removeprefix("pid="))
+    """The agent's process id on the host (inside its own PID namespace it has another)."""
+    return host_pid(said(client, session, "/pid"))
+
+
+def host_pid(said_pid: str) -> int:
+    """The host's process id of a process that said `pid=N ns=pid:[inode]` (the one in that
+    PID namespace whose innermost id is N)."""
+    fields = dict(part.split("=", 1) for part in said_pid.split())
+    inner, namespace = fields["pid"], fields["ns"]
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry.name}/ns/pid") != namespace:
+                continue
+            status = Path(f"/proc/{entry.name}/status").read_text()
+        except OSError:
+            continue
+        nspid = next(line for line in status.splitlines() if line.startswith("NSpid:")).split()
+        if nspid[-1] == inner:
+            return int(entry.name)
+    raise AssertionError(f"no process on the host said {said_pid!r}")
 
 
 def answer(client, session: str, call_id: str, granted: bool, *, stream: str = "none", reason: str | None = None):
@@ -290,6 +314,65 @@ def test_an_unanswered_permission_is_rejected_after_the_timeout_and_recorded(pg,
     assert not (workspace(pg, session) / "late.txt").exists()
 
 
+def test_a_permission_is_asked_for_the_input_the_agent_completed_in_later_updates(pg, client):
+    """OpenCode's order: a tool_call with part of its input, an update completing it, then the
+    request (whose toolCall has only the id and a title): the application sees what will run."""
+    session = session_of(client, tools=[{"name": "execute"}])
+    first = checked_turn(client, session, user("/staged"), stream="delta")
+    assert first.stop_reason == "tool_use"
+    [call] = first.tool_calls()
+    cwd = call["input"]["cwd"]
+    assert os.path.realpath(cwd) == str(workspace(pg, session))
+    assert (call["name"], call["input"]) == ("execute", {"cwd": cwd, "command": "echo staged"})
+    assert call["_meta"]["title"] == "Run echo staged" and call["_meta"]["locations"] == [{"path": cwd}]
+    second = answer(client, session, call["toolCallId"], True)
+    assert second.messages == [
+        {"role": "tool", "toolCallId": call["toolCallId"], "content": "ran: echo staged"},
+        *text_reply("ran: echo staged"),
+    ]
+
+
+def test_a_grant_does_not_hold_for_an_input_the_agent_changed_after_asking(pg, client):
+    session = session_of(client, tools=[{"name": "execute"}])
+    [asked] = checked_turn(client, session, user("/staged change")).tool_calls()
+    assert asked["input"]["command"] == "echo staged"
+    home = workspace(pg, session)
+    (home / "go").write_text("")  # the agent now changes the command, while the application decides
+    wait_until(lambda: (home / "changed").exists(), timeout=30, message="the agent's changed input")
+    time.sleep(1)  # the service has read the update the agent wrote before its marker
+
+    second = answer(client, session, asked["toolCallId"], True, stream="delta")
+    assert second.stop_reason == "tool_use"
+    [again] = second.tool_calls()
+    assert again["toolCallId"] != asked["toolCallId"]
+    assert (again["name"], again["input"]) == ("execute", {"cwd": asked["input"]["cwd"], "command": "echo changed"})
+    assert second.messages[0] == {
+        "role": "tool",
+        "toolCallId": asked["toolCallId"],
+        "content": "Tool call denied: the agent changed the call's input after permission was asked; asked again",
+    }
+    third = answer(client, session, again["toolCallId"], True)
+    assert third.messages == [
+        {"role": "tool", "toolCallId": again["toolCallId"], "content": "ran: echo changed"},
+        *text_reply("ran: echo changed"),
+    ]
+
+
+def test_an_input_the_agent_changed_after_the_grant_is_recorded_with_the_result(pg, client):
+    session = session_of(client, tools=[{"name": "execute"}])
+    [call] = checked_turn(client, session, user("/staged late")).tool_calls()
+    second = answer(client, session, call["toolCallId"], True)
+    changed = json.dumps({"cwd": call["input"]["cwd"], "command": "echo late"})
+    assert second.messages == [
+        {
+            "role": "tool",
+            "toolCallId": call["toolCallId"],
+            "content": f"The agent changed this call after it was allowed, to: {changed}\nran: echo late",
+        },
+        *text_reply("ran: echo late"),
+    ]
+
+
 # --- the client methods: files, terminals, anything else -----------------------------------------
 
 
@@ -358,6 +441,37 @@ def test_a_hung_exited_or_garbage_writing_agent_ends_the_turn_with_error_and_the
     assert agent_pid(client, session) != before
 
 
+LOADER_LIBRARY = r"""
+#include <stdio.h>
+#include <unistd.h>
+__attribute__((constructor)) static void mark(void) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/loaded-as-%d", MARK_DIR, (int)getuid());
+    FILE *f = fopen(path, "w");
+    if (f) fclose(f);
+}
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root's part is what is probed (CI runs as root)")
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build the loader library")
+def test_a_loader_variable_asked_for_a_terminal_never_runs_as_root(pg, client):
+    """An agent asks terminal/create for LD_PRELOAD of a library it wrote into its workspace:
+    the library loads only inside the command's sandbox, as the unit's uid (the positive
+    control), never in the launcher that starts it as root."""
+    session = session_of(client, "acp-terminal")
+    assert said(client, session, "/terminal true") == "exit=0 output="  # the process and workspace exist
+    work = workspace(pg, session)
+    source = work / "preload.c"
+    source.write_text(LOADER_LIBRARY.replace("MARK_DIR", f'"{work}"'))
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(work / "preload.so"), str(source)], check=True)
+    os.chmod(work / "preload.so", 0o755)
+    said(client, session, f"/terminal LD_PRELOAD={work}/preload.so true")
+    marks = sorted(path.name for path in work.glob("loaded-as-*"))
+    assert "loaded-as-0" not in marks
+    assert marks and all(name != "loaded-as-0" for name in marks)  # it did load, inside
+
+
 def test_sigkill_of_the_agent_mid_turn_gives_error_and_a_working_next_turn(pg, client):
     session = session_of(client)
     pid = agent_pid(client, session)
@@ -368,7 +482,7 @@ def test_sigkill_of_the_agent_mid_turn_gives_error_and_a_working_next_turn(pg, c
     assert result.events[-1].data["stopReason"] == "error"
     assert "exited" in result.events[-1].data["_meta"]["error"]
     assert client.history(session)[-len(result.messages) :] == result.messages
-    assert said(client, session, "/pid") != f"pid={pid}"
+    assert agent_pid(client, session) != pid
 
 
 def test_cancel_sends_session_cancel_and_the_turn_ends_cancelled(pg, client):

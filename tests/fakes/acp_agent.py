@@ -8,10 +8,17 @@ Run it as `python -m tests.fakes.acp_agent`. The prompt text drives it:
     /write PATH TEXT      -> an `edit` tool call asking permission; when allowed it writes
                              TEXT to <cwd>/PATH through fs/write_text_file
     /perm KIND            -> a KIND tool call asking permission; reports the chosen option
+    /staged [MODE]        -> an `execute` tool call whose input comes in parts, as OpenCode sends
+                             it: the tool_call has {"cwd"}, a tool_call_update adds "command",
+                             then a permission request whose toolCall carries only the id and a
+                             title. MODE `change`: once <cwd>/go exists it sends one more update
+                             with another command (then writes <cwd>/changed); `late`: it changes
+                             the command after the answer. Ends "ran: CMD" or "not run: CMD".
     /read PATH            -> fs/read_text_file of PATH (joined to cwd unless absolute)
     /readraw PATH         -> fs/read_text_file of PATH exactly as given
     /writeraw PATH TEXT   -> fs/write_text_file of PATH exactly as given, no permission
-    /terminal CMD ARGS... -> terminal/create, wait_for_exit, output, release
+    /terminal [NAME=VALUE...] CMD ARGS...
+                          -> terminal/create (with that environment), wait_for_exit, output, release
     /unknown              -> calls a client method that does not exist, then goes on
     /plan                 -> plan, available_commands_update, current_mode_update and
                              user_message_chunk updates, then "planned"
@@ -21,7 +28,7 @@ Run it as `python -m tests.fakes.acp_agent`. The prompt text drives it:
     /exit                 -> the process exits at once
     /garbage              -> writes a line that is not JSON to stdout, then hangs
     /env VAR              -> "VAR=<first 12 hex of sha256(value)>" or "VAR=unset"
-    /pid                  -> "pid=<process id>"
+    /pid                  -> "pid=<process id> ns=<its PID namespace>"
     /sh CMD               -> runs `/bin/sh -c CMD` in cwd; one message "exit=N\n<output>"
     /failedit PATH        -> an `edit` tool call with a diff that the agent reports as failed
     /whoami               -> session id, model option, loaded flag, MCP server names, cwd
@@ -42,6 +49,7 @@ import json
 import os
 import sys
 import uuid
+from pathlib import Path
 
 import acp
 from acp import schema
@@ -226,6 +234,53 @@ class FakeAgent:
         await self._finish_tool(session, call_id, f"option {choice}", ok=bool(choice and choice.startswith("allow")))
         await self._say(session, f"permission {kind}: {choice or 'cancelled'}")
 
+    async def _cmd_staged(self, session, rest):
+        mode = rest.strip()
+        self.tool_seq += 1
+        call_id = f"tool_{self.tool_seq}_{uuid.uuid4().hex[:6]}"
+        command = "echo staged"
+        await self.conn.session_update(
+            session.id,
+            acp.start_tool_call(call_id, "bash", kind="execute", status="pending", raw_input={"cwd": session.cwd}),
+        )
+        await self.conn.session_update(
+            session.id,
+            acp.update_tool_call(
+                call_id,
+                title=command,
+                raw_input={"cwd": session.cwd, "command": command},
+                locations=[schema.ToolCallLocation(path=session.cwd)],
+            ),
+        )
+        asking = asyncio.ensure_future(
+            self.conn.request_permission(
+                session.id, schema.ToolCallUpdate(tool_call_id=call_id, title=f"Run {command}"), PERMISSION_OPTIONS
+            )
+        )
+        while mode == "change" and not asking.done():
+            if os.path.exists(os.path.join(session.cwd, "go")):
+                command = "echo changed"
+                await self.conn.session_update(
+                    session.id, acp.update_tool_call(call_id, raw_input={"cwd": session.cwd, "command": command})
+                )
+                Path(session.cwd, "changed").write_text(command)
+                break
+            await asyncio.sleep(0.05)
+        outcome = (await asking).outcome
+        if outcome.outcome != "selected" or not outcome.option_id.startswith("allow"):
+            await self._finish_tool(session, call_id, "refused", ok=False)
+            await self._say(session, f"not run: {command}")
+            return None
+        if mode == "late":
+            command = "echo late"
+            await self.conn.session_update(
+                session.id,
+                acp.update_tool_call(call_id, status="in_progress", raw_input={"cwd": session.cwd, "command": command}),
+            )
+        await self._finish_tool(session, call_id, f"ran: {command}")
+        await self._say(session, f"ran: {command}")
+        return None
+
     async def _read(self, session, path):
         try:
             response = await self.conn.read_text_file(session.id, path)
@@ -250,9 +305,14 @@ class FakeAgent:
         await self._say(session, f"wrote {path}")
 
     async def _cmd_terminal(self, session, rest):
-        command, *args = rest.split()
+        words = rest.split()
+        env = []  # leading NAME=VALUE words: the terminal's environment, as an agent may ask
+        while words and "=" in words[0] and not words[0].startswith("/"):
+            name, _, value = words.pop(0).partition("=")
+            env.append(schema.EnvVariable(name=name, value=value))
+        command, *args = words
         try:
-            created = await self.conn.create_terminal(session.id, command, args=args, cwd=session.cwd)
+            created = await self.conn.create_terminal(session.id, command, args=args, cwd=session.cwd, env=env or None)
             if created is None:  # a client without terminal support may answer null
                 raise acp.RequestError(-32601, "no terminal")
             terminal = created.terminal_id
@@ -396,7 +456,8 @@ class FakeAgent:
         await self._say(session, f"status=200 text={''.join(parts)} usage_chunks={usage_chunks}")
 
     async def _cmd_pid(self, session, rest):
-        await self._say(session, f"pid={os.getpid()}")
+        # Its PID namespace too: in its own one, the host knows it by another number.
+        await self._say(session, f"pid={os.getpid()} ns={os.readlink('/proc/self/ns/pid')}")
 
     async def _cmd_whoami(self, session, rest):
         await self._say(

@@ -183,7 +183,10 @@ def _v2(base: Path) -> Layout | str:
 
 
 def _name(unit: str) -> str:
-    return "unit-" + hashlib.sha256(unit.encode()).hexdigest()[:24]
+    """The unit's group name: its name within this installation (the workspace root), so two
+    services on one host (or two test suites) never share, nor kill, each other's groups."""
+    scoped = f"{os.path.realpath(settings.AAP_WORKSPACE_ROOT)}\0{unit}"
+    return "unit-" + hashlib.sha256(scoped.encode()).hexdigest()[:24]
 
 
 def create(unit: str, limits: Limits) -> UnitGroup | None:

@@ -206,12 +206,19 @@ def _uid_dir() -> Path:
     return workspace.root() / ".uids"  # never a tenant: tenant names cannot start with a dot
 
 
+def _uid_start(unit: str, count: int) -> int:
+    """Where a unit's uid search starts: its name within this installation (the workspace
+    root), so two services on one host seldom probe the same uids."""
+    scoped = f"{os.path.realpath(workspace.root())}\0{unit}"
+    return int.from_bytes(hashlib.sha256(scoped.encode()).digest()[:8], "big") % count
+
+
 def unit_uid(unit: str) -> int:
     """The uid of an isolation unit: the same on every worker sharing the workspace root, and
     never another unit's (claimed with O_EXCL in `<root>/.uids/`, probing linearly)."""
     base, count = settings.AAP_SANDBOX_UID_BASE, settings.AAP_SANDBOX_UID_COUNT
     directory = workspace.ensure_dir(_uid_dir())
-    start = int.from_bytes(hashlib.sha256(unit.encode()).digest()[:8], "big") % count
+    start = _uid_start(unit, count)
     for step in range(count):
         uid = base + (start + step) % count
         path = directory / str(uid)
@@ -234,7 +241,7 @@ def release_unit(unit: str) -> None:
         return
     directory = _uid_dir()
     base, count = settings.AAP_SANDBOX_UID_BASE, settings.AAP_SANDBOX_UID_COUNT
-    start = int.from_bytes(hashlib.sha256(unit.encode()).digest()[:8], "big") % count
+    start = _uid_start(unit, count)
     for step in range(count):
         path = directory / str(base + (start + step) % count)
         try:
