@@ -628,8 +628,8 @@ class AgentProcess:
     async def _kill_unit(self) -> None:
         """Kill everything of the unit (its cgroup, its uid: what left the process group too),
         before a new process of the same unit may start."""
-        if self.cgroup is not None:
-            await asyncio.to_thread(self.cgroup.kill)
+        if self.cgroup is not None:  # killed, and the group removed once empty
+            await asyncio.to_thread(self.cgroup.remove)
         if self.uid is None:
             return
         await asyncio.to_thread(sandbox.kill_uid, self.uid)
