@@ -555,6 +555,12 @@ class AgentProcess:
             sentence = limits.exit_sentence(code, self.spec.sandbox.limits)
             if sentence:
                 return sentence
+            if self.cgroup is not None and self.cgroup.oom_kills() > self._oom_base:
+                self._breach = True  # the kernel killed it at the unit's memory limit
+                bound = limits.mib(self.spec.sandbox.limits.memory_bytes)
+                sentence = f"The agent used more than its memory limit of {bound}; its processes were stopped."
+                logger.warning("ACP agent %s: %s", self.spec.label, sentence)
+                return sentence
         tail = self.spec.redact("\n".join(self._stderr))
         logger.warning(
             "ACP agent %s (pid %s) exited with code %s; last stderr lines:\n%s",
