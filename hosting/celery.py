@@ -2,7 +2,7 @@ import logging
 import os
 
 from celery import Celery
-from celery.signals import celeryd_after_setup, worker_ready, worker_shutting_down
+from celery.signals import celeryd_after_setup, worker_ready, worker_shutdown, worker_shutting_down
 
 from . import process
 from .process import freeze_startup_heap
@@ -45,3 +45,12 @@ def _stop_serving(**kwargs):
     from sessions_app import liveness
 
     liveness.stop_serving()
+
+
+@worker_shutdown.connect
+def _stop_runtimes(**kwargs):
+    # After the warm shutdown let the running turns end: agent processes (ACP) stop the way
+    # they expect, stdin closed and time to save their sessions, for the next worker to load.
+    from agents.runtimes import shutdown_all
+
+    shutdown_all()

@@ -270,6 +270,10 @@ AAP_DB_CHECK_IDLE_SECONDS = env_float("AAP_DB_CHECK_IDLE_SECONDS", 1.0)
 AAP_IDEMPOTENCY_SECONDS = env_int("AAP_IDEMPOTENCY_SECONDS", 24 * 3600)
 # Threads of the web process that run turns in the embedded mode (no REDIS_URL).
 AAP_EMBEDDED_WORKERS = env_int("AAP_EMBEDDED_WORKERS", 8)
+# An ACP agent process being stopped (idle, worker shutdown, deploy) gets its stdin closed and
+# this long to exit (agents save their sessions then) before SIGTERM, then SIGKILL. A worker's
+# shutdown stops all of them at once, within this plus 15 seconds.
+AAP_ACP_STOP_GRACE_SECONDS = env_float("AAP_ACP_STOP_GRACE_SECONDS", 10.0)
 # Root of per-session workspaces (ACP agents).
 AAP_WORKSPACE_ROOT = Path(os.environ.get("AAP_WORKSPACE_ROOT", VAR_DIR / "workspaces"))
 # The ACP sandbox (docs/acp-agents.md): when the service runs as root, each isolation unit's

@@ -388,6 +388,14 @@ class Stack:
         os.killpg(self.worker.pid, signal.SIGKILL)
         self.worker.wait(10)
 
+    def terminate_worker(self, timeout: float = 60.0) -> float:
+        """SIGTERM the worker, as a deploy does (docker stop), and wait for its warm shutdown;
+        returns how long it took."""
+        started = time.monotonic()
+        self.worker.send_signal(signal.SIGTERM)
+        self.worker.wait(timeout)
+        return time.monotonic() - started
+
     def stop(self) -> None:
         for proc in (self.worker, self.web):
             if proc is not None and proc.poll() is None:

@@ -1,5 +1,6 @@
 """Registry of runtime kinds: kind name -> Runtime class (imported lazily)."""
 
+import logging
 from functools import cache
 
 from django.utils.module_loading import import_string
@@ -31,3 +32,12 @@ def runtime_for(kind: str):
     if kind not in _instances:
         _instances[kind] = runtime_class(kind)()
     return _instances[kind]
+
+
+def shutdown_all() -> None:
+    """The process is exiting: every runtime it used stops what it runs (each bounded)."""
+    for runtime in list(_instances.values()):
+        try:
+            runtime.shutdown()
+        except Exception as exc:
+            logging.getLogger(__name__).warning("stopping runtime %s failed: %s", runtime.kind, type(exc).__name__)

@@ -172,6 +172,10 @@ class Runtime(ABC):
     async def on_session_deleted(self, *, session_id: str, tenant: str, config: dict) -> None:  # noqa: B027 (optional hook)
         """Release whatever the runtime holds for a deleted session."""
 
+    def shutdown(self) -> None:  # noqa: B027 (optional hook)
+        """The process is exiting (a worker's shutdown): stop what the runtime runs, as what
+        it runs expects. Blocking and bounded; called from a thread other than the runtime loop."""
+
     def pinned_worker(self, *, session_id: str) -> str | None:
         """The Celery worker node holding this session's in-flight work, where its next turn
         must run (None: any worker). Called while a turn is being started."""

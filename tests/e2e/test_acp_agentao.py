@@ -218,6 +218,28 @@ def test_the_attack_chain_replayed_with_agentao_gets_nothing(pg_stack, fake, cli
         escape.unlink(missing_ok=True)
 
 
+def test_agentao_resumes_its_conversation_after_a_worker_shutdown(pg_stack, fake, client):
+    """A deploy SIGTERMs the worker: its Agentao gets its stdin closed and time to save the
+    session, and the next worker's session/load gives the model the earlier conversation."""
+    session = session_of(client, "agentao")
+    fake.enqueue(FakeOpenAI.text("Noted: the password is periwinkle."))
+    assert checked_turn(client, session, user("Remember: the password is periwinkle.")).stop_reason == "end_turn"
+    try:
+        took = pg_stack.terminate_worker()
+    finally:
+        if pg_stack.worker.poll() is not None:
+            pg_stack.start_worker()
+    assert took < 45  # within the compose worker's stop_grace_period (60 s)
+    assert list((workspace(pg_stack, session) / ".agentao" / "sessions").glob("*.json")), "Agentao saved nothing"
+
+    fake.enqueue(FakeOpenAI.text("The password is periwinkle."))
+    assert checked_turn(client, session, user("What is the password?")).stop_reason == "end_turn"
+    seen = json.dumps(fake.chat_requests()[-1]["json"]["messages"])
+    assert "Remember: the password is periwinkle." in seen
+    assert "Noted: the password is periwinkle." in seen
+    assert "What is the password?" in seen
+
+
 def _environ_has(proc: Path, value: str) -> bool:
     try:
         return value.encode() in (proc / "environ").read_bytes()

@@ -1,5 +1,5 @@
-"""ACP shapes as AAP ones: tool kinds as server tools, stop reasons, a tool call's input and
-its content as the text of an AAP tool result, image data URIs as ACP image blocks."""
+"""ACP shapes as AAP ones: tool kinds as server tools, stop reasons, a tool call's content as
+the text of an AAP tool result, image data URIs as ACP image blocks."""
 
 from __future__ import annotations
 
@@ -27,12 +27,6 @@ STOP_REASONS = {
     "refusal": "refusal",
     "cancelled": "end_turn",
 }
-
-
-def tool_input(raw) -> dict:
-    if isinstance(raw, dict):
-        return raw
-    return {} if raw is None else {"value": raw}
 
 
 def tool_text(state: CallState, status: str | None) -> str:

@@ -4,11 +4,17 @@ What the agent sends for a session (updates, permission requests, the prompt's e
 the prompt's queue in arrival order. The turn that runs the prompt drains the queue; when the
 prompt waits on the application's permission the turn ends and the queue keeps filling until
 the next turn picks the prompt up again.
+
+A tool call is known as the agent describes it so far: its `tool_call`, every
+`tool_call_update` and the `toolCall` of a permission request for it, merged field by field as
+they arrive (even while no turn drains the queue), so a permission is asked for, and bound to,
+the input the agent last sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -34,6 +40,7 @@ class PermissionWaiter:
         self.future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self.timed_out = False
         self.timeout = timeout
+        self.asked: str | None = None  # the call's binding when the application was asked
         self._timer = asyncio.get_running_loop().call_later(timeout, self._expire)
 
     @property
@@ -65,6 +72,12 @@ class PermissionWaiter:
     def cancel(self) -> None:
         self._settle(None)
 
+    def ask_again(self) -> None:
+        """The application is asked again: its time to answer starts over."""
+        if not self.future.done():
+            self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_later(self.timeout, self._expire)
+
     def _expire(self) -> None:
         if not self.future.done():
             self.timed_out = True
@@ -72,16 +85,49 @@ class PermissionWaiter:
             self.reject()
 
 
+def tool_input(raw) -> dict:
+    if isinstance(raw, dict):
+        return raw
+    return {} if raw is None else {"value": raw}
+
+
 @dataclass
 class CallState:
-    """A tool call already shown to the application as a `tool_call` event."""
+    """An ACP tool call as the agent described it so far, and the AAP tool call showing it."""
 
-    kind: str
-    aap_id: str
+    kind: str = "other"
+    title: str | None = None
     input: dict = field(default_factory=dict)
+    locations: list[dict] = field(default_factory=list)
     content: Any = None
     raw_output: Any = None
-    resolved: bool = False  # its tool_result is out
+    aap_id: str | None = None  # the AAP tool call showing it; None until shown
+    shown: str | None = None  # the binding that AAP tool call carries
+    allowed: str | None = None  # the binding a permission was granted for
+    resolved: bool = False  # that AAP tool call's tool_result is out
+
+    def merge(self, update) -> None:
+        """Take what a `tool_call`, `tool_call_update` or permission request sets: ACP
+        replaces each field an update carries and keeps the others."""
+        if update.kind is not None:
+            self.kind = update.kind
+        if update.title:
+            self.title = update.title
+        if update.raw_input is not None:
+            self.input = tool_input(update.raw_input)
+        if update.locations is not None:
+            self.locations = [
+                {"path": loc.path, **({"line": loc.line} if loc.line is not None else {})} for loc in update.locations
+            ]
+        if update.content is not None:
+            self.content = update.content
+        if update.raw_output is not None:
+            self.raw_output = update.raw_output
+
+    @property
+    def binding(self) -> str:
+        """What a permission is given for: the call's kind and input."""
+        return json.dumps([self.kind, self.input], sort_keys=True, default=str)
 
 
 @dataclass
@@ -127,6 +173,18 @@ class Prompt:
     def pending_waiters(self) -> list[PermissionWaiter]:
         return [waiter for waiter in self.requested if not waiter.decided]
 
+    def track(self, tool_call) -> CallState:
+        """The call's state with what `tool_call` (an update or a permission's) sets."""
+        state = self.calls.get(tool_call.tool_call_id)
+        if state is None:
+            state = self.calls[tool_call.tool_call_id] = CallState()
+        state.merge(tool_call)
+        return state
+
+    def call_state(self, tool_call) -> CallState:
+        """The call's state (merged on arrival: taking `tool_call` again would undo later updates)."""
+        return self.calls.get(tool_call.tool_call_id) or self.track(tool_call)
+
 
 class AcpSession:
     """An AAP session's ACP session inside one agent process."""
@@ -162,12 +220,15 @@ class AcpSession:
     def on_update(self, update) -> None:
         self.touch()
         if self.prompt is not None:  # replays of session/load and idle chatter are not a turn's
+            if update.session_update in ("tool_call", "tool_call_update"):
+                self.prompt.track(update)
             self.prompt.queue.put_nowait(("update", update))
 
     async def on_permission(self, tool_call, options) -> str | None:
         self.touch()
         if self.prompt is None:
             return None
+        self.prompt.track(tool_call)
         waiter = PermissionWaiter(tool_call, options, self.permission_timeout)
         self.prompt.requested.append(waiter)
         self.prompt.queue.put_nowait(("permission", waiter))
