@@ -80,11 +80,13 @@ def error_body(message: str, details=None) -> dict:
 
 
 def _is_redis_unavailable(exc) -> bool:
+    """Redis cannot take a write now: unreachable, full (`maxmemory` with `noeviction`
+    refuses writes with OOM) or a read-only replica during a failover."""
     try:
-        from redis.exceptions import ConnectionError, TimeoutError
+        from redis.exceptions import ConnectionError, OutOfMemoryError, ReadOnlyError, TimeoutError
     except ImportError:  # the embedded mode runs without redis-py
         return False
-    return isinstance(exc, (ConnectionError, TimeoutError))
+    return isinstance(exc, (ConnectionError, TimeoutError, OutOfMemoryError, ReadOnlyError))
 
 
 def exception_handler(exc, context):

@@ -81,12 +81,15 @@ class RedisWindows:
     def __init__(self, url: str):
         import redis
 
+        from .redis_connections import retry_policy
+
         self.client = redis.Redis.from_url(
             url,
             decode_responses=True,
             socket_timeout=5,
             socket_connect_timeout=5,
             max_connections=settings.REDIS_POOL_MAX,
+            **retry_policy(asyncio_client=False),
         )
         self._take = self.client.register_script(_TAKE)
 

@@ -1,6 +1,10 @@
 """This process's Redis connections (REDIS_URL): one blocking pool for synchronous callers
 and one asyncio client per event loop, shared by everything that talks to Redis here (the
-live event stream, the ACP routing keys, the health check). None in embedded mode."""
+live event stream, the ACP routing keys, the health check). None in embedded mode.
+
+Every pooled connection retries a command (or a pipeline) once, after a short backoff, when
+its connection fails: after a Redis restart each pooled connection is stale, and without the
+retry the first command on each fails although Redis is back."""
 
 from __future__ import annotations
 
@@ -11,6 +15,27 @@ from functools import cache
 from typing import Any
 
 from django.conf import settings
+
+# One retry, 50-500 ms later: enough for a stale connection to reconnect, short enough that a
+# Redis that is really down is reported at once (callers have their own, longer retries).
+RETRY_BACKOFF_BASE = 0.05
+RETRY_BACKOFF_CAP = 0.5
+
+
+def retry_policy(*, asyncio_client: bool) -> dict[str, Any]:
+    """Connection kwargs: retry once on a connection error or timeout (a fresh list each
+    time: redis-py's asyncio connection appends to the one it is given)."""
+    from redis.backoff import ExponentialWithJitterBackoff
+    from redis.exceptions import ConnectionError, TimeoutError
+
+    if asyncio_client:
+        from redis.asyncio.retry import Retry
+    else:
+        from redis.retry import Retry
+    return {
+        "retry": Retry(ExponentialWithJitterBackoff(cap=RETRY_BACKOFF_CAP, base=RETRY_BACKOFF_BASE), 1),
+        "retry_on_error": [ConnectionError, TimeoutError],
+    }
 
 
 class RedisConnections:
@@ -28,6 +53,7 @@ class RedisConnections:
                 socket_timeout=30,
                 socket_connect_timeout=5,
                 health_check_interval=5,
+                **retry_policy(asyncio_client=False),
             )
         )
         self._async: dict[asyncio.AbstractEventLoop, Any] = {}
@@ -59,6 +85,7 @@ class RedisConnections:
                     socket_timeout=None,
                     socket_connect_timeout=5,
                     health_check_interval=5,
+                    **retry_policy(asyncio_client=True),
                 )
             ),
         )

@@ -135,6 +135,8 @@ class TurnOutcome:
 YIELD_SECONDS = 0.002
 # How often a running turn's writes set its stream's expiry again (see RedisEvents.publish_many).
 EXPIRE_EVERY_SECONDS = 10.0
+# How long a batch of events Redis refuses (full, read-only) is tried again before it is given up.
+PUBLISH_RETRY_SECONDS = 3.0
 
 
 class _Publisher:
@@ -190,20 +192,48 @@ class _Publisher:
     async def _flush(self) -> None:
         while self._queue:
             batch = self._queue.take()
-            now = time.monotonic()
-            expire = self._expired_at is None or now - self._expired_at >= EXPIRE_EVERY_SECONDS
             self._writing = True
             try:
-                await self.backend.publish_many(self.turn_id, batch, expire=expire)
-                if expire:
-                    self._expired_at = now
-            except Exception as exc:  # a live view can miss events; history cannot
-                logger.warning("publishing events of %s failed: %s", self.turn_id, type(exc).__name__)
+                await self._write(batch)
             finally:
                 self._writing = False
             if self._queue and self.seq > JOIN_AFTER_ENTRIES:
                 # The turn streams faster than Redis writes: let its tiny deltas join a while.
                 await asyncio.sleep(settings.AAP_TURN_COALESCE_SECONDS)
+
+    async def _write(self, batch: list[tuple[int, dict]]) -> None:
+        """Write one batch, again and again while Redis fails (a restart, a failover), for up
+        to AAP_STREAM_RETRY_SECONDS (PUBLISH_RETRY_SECONDS when Redis answers but refuses, e.g.
+        full): a batch dropped while later ones get through would be a hole in every live
+        view. The events behind it wait (their order is kept). Past that the batch is given
+        up: the stream then shows a hole, and `none` answers come from the stored turn."""
+        failing_since: float | None = None
+        pause = 0.1
+        while True:
+            now = time.monotonic()
+            expire = self._expired_at is None or now - self._expired_at >= EXPIRE_EVERY_SECONDS
+            try:
+                await self.backend.publish_many(self.turn_id, batch, expire=expire)
+            except Exception as exc:
+                if failing_since is None:
+                    failing_since = now
+                    logger.warning("publishing events of %s failed (%s); retrying", self.turn_id, type(exc).__name__)
+                bound = settings.AAP_STREAM_RETRY_SECONDS if events.unreachable(exc) else PUBLISH_RETRY_SECONDS
+                if now - failing_since >= bound:
+                    logger.warning(
+                        "events %d-%d of %s were not published (%s)",
+                        batch[0][0],
+                        batch[-1][0],
+                        self.turn_id,
+                        type(exc).__name__,
+                    )
+                    return
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
+                continue
+            if expire:
+                self._expired_at = now
+            return
 
     async def emit(self, event: dict) -> None:
         self.budget.add_output(event)

@@ -7,7 +7,9 @@ turn is declared lost only when this heartbeat is stale and its Redis lease has 
 
 A Celery worker process also beats for itself (`serve_as_worker`): its row says how many
 turns it runs at once, which is the capacity sessions_app.dispatch fills, and while it has a
-free thread each round offers it to the turns waiting in PostgreSQL.
+free thread each round offers it to the turns waiting in PostgreSQL. It also sweeps for lost
+turns every SWEEP_SECONDS on a thread of its own (one worker at a time), so lost turns end
+even when no broker message can be sent (Redis full or down).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ _lock = threading.Lock()
 _running: dict[str, Callable[[], str | None] | None] = {}
 _last_partial: dict[str, str] = {}
 _thread: threading.Thread | None = None
+_sweeper: threading.Thread | None = None
+# How often a worker process sweeps for lost turns (services.recovery.sweep_unless_running).
+SWEEP_SECONDS = 10.0
 _worker: tuple[str, int] | None = None  # (node name, concurrency) in a Celery worker process
 
 
@@ -50,10 +55,13 @@ def track(turn_id: str, partial: Callable[[], str | None] | None = None) -> None
 
 def serve_as_worker(node: str, concurrency: int) -> None:
     """This process runs up to `concurrency` turns at once: say so now and every round."""
-    global _worker
+    global _worker, _sweeper
     with _lock:
         _worker = (node, concurrency)
         _ensure_thread()
+        if _sweeper is None or not _sweeper.is_alive():
+            _sweeper = threading.Thread(target=_sweep_forever, name="aap-sweep", daemon=True)
+            _sweeper.start()
     try:
         _worker_round()
     except Exception as exc:
@@ -135,5 +143,25 @@ def _beat_forever() -> None:
             _worker_round()
         except Exception as exc:
             logger.warning("the worker's heartbeat could not be written: %s", type(exc).__name__)
+        finally:
+            connection.close()
+
+
+def _sweep_forever() -> None:
+    """A worker's own sweep for lost turns, on its own thread (a long sweep never delays the
+    heartbeats), one worker at a time: it depends on PostgreSQL only, not on a broker
+    message reaching a worker."""
+    import time
+
+    from .services import recovery
+
+    while True:
+        time.sleep(SWEEP_SECONDS)
+        if _worker is None:
+            continue  # shutting down
+        try:
+            recovery.sweep_unless_running()
+        except Exception as exc:  # PostgreSQL restarting: the next round tries again
+            logger.warning("the sweep for lost turns failed: %s", type(exc).__name__)
         finally:
             connection.close()

@@ -5,9 +5,11 @@ stream costs no thread. While a turn is quiet they ping the client and check tha
 is still alive, ending a lost one with `error` (recovery.turn_recover_if_lost). When the
 event source fails (Redis down) they keep pinging and retrying for AAP_STREAM_RETRY_SECONDS;
 then an SSE response closes without `turn_stop` (the client re-attaches), and a `none`
-response answers from PostgreSQL if the turn has ended there. While a turn waits for a
-worker slot, its SSE stream says so every LIVENESS_CHECK_SECONDS with a comment
-`: queued {"position": n}` instead of `: ping`, so a client tells waiting from thinking.
+response answers from PostgreSQL if the turn has ended there. A `none` response whose events
+have a hole (lost in a Redis restart) answers from PostgreSQL too: what the client is told is
+what history holds. While a turn waits for a worker slot, its SSE stream says so every
+LIVENESS_CHECK_SECONDS with a comment `: queued {"position": n}` instead of `: ping`, so a
+client tells waiting from thinking.
 """
 
 from __future__ import annotations
@@ -122,11 +124,20 @@ async def sse_stream(turn_id: str, after: int = 0, token_id: int | None = None):
         yield sse_frame(seq, event)
 
 
+async def _stored_result_or_none(turn_id: str) -> dict | None:
+    try:
+        return await _stored_result(turn_id)
+    except Exception as exc:  # PostgreSQL unreachable
+        logger.warning("the stored result of turn %s is unreadable: %s", turn_id, type(exc).__name__)
+        return None
+
+
 async def json_result(turn_id: str, token_id: int | None = None):
     """The `stream: "none"` body. Leading blanks keep idle connections open (valid JSON)."""
     collected: list[dict] = []
     stop: dict = {}
     last_write = time.monotonic()
+    last_seq, whole = 0, True  # whole: every event from the first was seen, none skipped
     try:
         async for item in _follow(turn_id, 0, token_id):
             if item is REVOKED:
@@ -137,17 +148,23 @@ async def json_result(turn_id: str, token_id: int | None = None):
                     last_write = time.monotonic()
                     yield b" "
                 continue
-            _, event = item
+            seq, event = item
+            whole = whole and seq == last_seq + 1
+            last_seq = seq
             if event["event"] == "turn_stop":
                 stop = event
             elif event["event"] != "turn_start":
                 collected.append(event)
+        if not whole:
+            # Events are missing from the live view (a Redis restart, a batch Redis refused):
+            # the answer is the stored turn's, which is what history holds.
+            stored = await _stored_result_or_none(turn_id)
+            if stored is not None:
+                yield dumps(stored).encode()
+                return
     except StreamInterrupted:
         # PostgreSQL holds the finished turn's result; an unfinished one closes the response.
-        try:
-            stored = await _stored_result(turn_id)
-        except Exception:
-            stored = None
+        stored = await _stored_result_or_none(turn_id)
         if stored is None:
             raise
         yield dumps(stored).encode()

@@ -12,5 +12,5 @@ def run_turn(turn_id: str) -> None:
 
 
 @shared_task(name="sessions_app.tasks.sweep_stale_turns", ignore_result=True)
-def sweep_stale_turns() -> int:
-    return recovery.sweep_stale_turns()
+def sweep_stale_turns() -> int | None:
+    return recovery.sweep_unless_running()  # skipped while a worker's own sweep runs

@@ -117,6 +117,16 @@ def lock_session(tenant_id: int, public_id: str) -> SessionRow | None:
     return _session_row(row) if row else None
 
 
+def lock_session_row(session_pk: int) -> bool:
+    """Lock a session's row until the transaction ends; False when it is gone. Every
+    transaction that writes a session and its turns takes the session first, then the turn
+    (docs/api.md, Guarantees): a delete and a turn's end never wait for each other in a cycle."""
+    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT id FROM {S} WHERE id = %s{lock}", [session_pk])
+        return cursor.fetchone() is not None
+
+
 @dataclass
 class TurnSession:
     """What a worker needs of a session to run a turn."""

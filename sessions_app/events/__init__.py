@@ -28,6 +28,16 @@ def backend() -> RedisEvents | MemoryEvents:
     return RedisEvents(connections) if connections is not None else MemoryEvents()
 
 
+def unreachable(exc: BaseException) -> bool:
+    """The event source cannot be reached now (Redis restarting, the network), as opposed
+    to a Redis that answers and refuses (full, read-only)."""
+    try:
+        from redis.exceptions import ConnectionError, TimeoutError
+    except ImportError:  # the embedded mode runs without redis-py
+        return False
+    return isinstance(exc, (ConnectionError, TimeoutError, OSError))
+
+
 def last_seq_sync(turn_id: str) -> int:
     last = backend().last_sync(turn_id)
     return last[0] if last else 0

@@ -146,13 +146,19 @@ class _PublishBatcher:
                 size = len(batch) + 1 + expire
                 mine = results[position : position + size]
                 position += size
-                failed = next((r for r in mine if isinstance(r, Exception)), None)
+                failed = next((r for r in mine if isinstance(r, Exception) and not _written_before(r)), None)
                 if done.done():
                     continue  # its caller was cancelled meanwhile
                 if failed is not None:
                     done.set_exception(failed)
                 else:
                     done.set_result(None)
+
+
+def _written_before(error: Exception) -> bool:
+    """An XADD refused because its entry is there already: a pipeline retried after its
+    connection failed (hosting.redis_connections) may have been applied the first time."""
+    return "equal or smaller than the target stream top item" in str(error)
 
 
 class RedisEvents:

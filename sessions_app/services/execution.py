@@ -192,6 +192,7 @@ def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn, marked: bool
 
 def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted: _Compacted) -> bool:
     """Persist a turn's messages, pending calls and usage atomically, then publish turn_stop.
+    Locks the session, then the turn (the one lock order, docs/api.md "Guarantees").
     Returns whether other turns wait for a worker slot (True when not known)."""
     problem = unstorable(outcome.pending_calls)
     if problem:
@@ -208,6 +209,9 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
             stop_meta={**outcome.stop_meta, "error": sentence},
         )
     with transaction.atomic():
+        # The lock order of every transaction on a session and its turns: the session first
+        # (a delete holding it and waiting for this turn's row would otherwise deadlock).
+        turn_store.lock_session_row(session_pk)
         ended = _end_turn(turn_id, outcome)
         reclaimed = None if ended else _reclaim_declared_lost(turn_id, session_pk, outcome)
         if not ended and not reclaimed:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from hosting import metrics
@@ -125,12 +125,43 @@ def turn_recover_if_lost(turn_id: str) -> bool:
 
 def sweep_stale_turns() -> int:
     """End every lost turn, dispatch queued turns whose dispatch was lost, forget expired
-    Idempotency-Keys (run periodically); returns how many turns were ended."""
-    dispatch.dispatch_pending()
+    Idempotency-Keys (run periodically); returns how many turns were ended.
+
+    Each part stands alone: a Redis that is down or full (nothing can be dispatched or
+    published) does not keep the lost turns, read from PostgreSQL, from being ended."""
+    try:
+        dispatch.dispatch_pending()
+    except Exception as exc:
+        logger.warning("the sweep could not dispatch queued turns again (%s)", type(exc).__name__)
     idempotency_keys.forget_expired()
     ended = 0
     for turn_id in Turn.objects.filter(status=Turn.RUNNING).values_list("id", flat=True):
         turn = Turn.objects.filter(id=turn_id).only(*_LIVENESS_FIELDS).first()
-        if turn is not None and _is_lost(turn):
+        if turn is None or not _is_lost(turn):
+            continue
+        try:
             ended += bool(turn_recover_if_lost(turn_id))
+        except Exception as exc:  # e.g. its events unreadable now: the next sweep tries again
+            logger.warning("the sweep could not end lost turn %s (%s)", turn_id, type(exc).__name__)
     return ended
+
+
+# One sweep at a time across every worker (a session-level advisory lock in PostgreSQL).
+_SWEEP_LOCK = 0x4141_5053_5745_4550
+
+
+def sweep_unless_running() -> int | None:
+    """Sweep, unless another process sweeps right now (None then). Workers run this on
+    their own clock: the sweep needs no broker message, so a full or unreachable Redis
+    does not stop it."""
+    if connection.vendor != "postgresql":
+        return sweep_stale_turns()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", [_SWEEP_LOCK])
+        if not cursor.fetchone()[0]:
+            return None
+    try:
+        return sweep_stale_turns()
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_unlock(%s)", [_SWEEP_LOCK])

@@ -88,7 +88,12 @@ def _session_for_update(tenant, session_id: str) -> Session:
 
 
 def session_delete(*, tenant, session_id: str) -> None:
-    """Delete a session and its history; a running turn on it is cancelled first."""
+    """Delete a session and its history; a running turn on it is cancelled: its stream ends
+    with `turn_stop {cancelled: true}` once the delete commits.
+
+    Locks the session, then (deleting them) its turns: the one lock order of every
+    transaction on a session and its turns (docs/api.md "Guarantees"), which a turn's end
+    (services.execution._finish) takes too, so a delete never waits on a turn in a cycle."""
     with transaction.atomic():
         session = _session_for_update(tenant, session_id)
         turn = session.active_turn

@@ -162,3 +162,51 @@ def test_deltas_of_a_turn_whose_writes_keep_up_go_one_by_one(settings, monkeypat
 
     asyncio.run(go())
     assert [e["delta"] for batch, _ in redis.writes for _, e in batch] == list("abcde")
+
+
+class _FlakyRedis:
+    """Refuses the first `failures` writes as an unreachable Redis does, then takes them."""
+
+    def __init__(self, failures: int, error: Exception):
+        self.failures, self.error = failures, error
+        self.writes: list[list[tuple[int, dict]]] = []
+
+    async def publish_many(self, turn_id, batch, *, expire=True):
+        if self.failures:
+            self.failures -= 1
+            raise self.error
+        self.writes.append(batch)
+
+
+def _publish_ticks() -> host._Publisher:
+    async def go():
+        publisher = host._Publisher("turn_unit", "delta")
+        for text in "abc":
+            await publisher.emit({"event": "text_delta", "delta": text})
+            await asyncio.sleep(0.01)
+        await publisher.close()
+        return publisher
+
+    return asyncio.run(go())
+
+
+def test_a_batch_redis_did_not_take_is_written_again_in_order(settings, monkeypatch):
+    from redis.exceptions import ConnectionError
+
+    fake = _FlakyRedis(2, ConnectionError("Connection reset by peer"))
+    monkeypatch.setattr(events, "backend", lambda: fake)
+    publisher = _publish_ticks()
+    seqs = [seq for batch in fake.writes for seq, _ in batch]
+    assert seqs == sorted(seqs) and seqs[0] == 2 and seqs[-1] == publisher.seq  # nothing dropped, in order
+    assert fold([e for batch in fake.writes for _, e in batch]) == fold(publisher.produced.events())
+
+
+def test_a_batch_a_full_redis_keeps_refusing_is_given_up_and_the_turn_ends(settings, monkeypatch):
+    from redis.exceptions import OutOfMemoryError
+
+    monkeypatch.setattr(host, "PUBLISH_RETRY_SECONDS", 0.3)
+    fake = _FlakyRedis(10**6, OutOfMemoryError("OOM command not allowed"))
+    monkeypatch.setattr(events, "backend", lambda: fake)
+    publisher = _publish_ticks()  # returns: the turn's end does not wait for Redis
+    assert fake.writes == []
+    assert fold(publisher.produced.events()) == [{"role": "assistant", "content": [{"type": "text", "text": "abc"}]}]

@@ -1,0 +1,55 @@
+"""Redis faults the API and the event writer handle instead of surfacing: a full or
+unreachable Redis is a 503 with Retry-After, a stale pooled connection is retried once, and a
+retried pipeline's entries that were written the first time count as written."""
+
+from __future__ import annotations
+
+import pytest
+from redis.exceptions import ConnectionError, OutOfMemoryError, ReadOnlyError, ResponseError
+
+from hosting.errors import exception_handler
+from hosting.redis_connections import RedisConnections
+from sessions_app.events.redis import _written_before
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
+        ReadOnlyError("You can't write against a read only replica."),
+        ConnectionError("Connection refused"),
+    ],
+)
+def test_a_redis_that_cannot_take_a_write_is_a_503_with_retry_after(error):
+    response = exception_handler(error, {"view": None})
+    assert response.status_code == 503
+    assert response["Retry-After"] == "5"
+    assert "nothing was stored" in response.data["error"]
+
+
+def test_other_redis_errors_stay_500():
+    assert exception_handler(ResponseError("WRONGTYPE"), {"view": None}).status_code == 500
+
+
+def test_pooled_connections_retry_once_on_a_connection_error(settings):
+    import asyncio
+
+    settings.REDIS_POOL_MAX = 4
+    connections = RedisConnections("redis://127.0.0.1:1/0")
+    sync = connections.sync.connection_pool.make_connection()
+    assert sync.retry.get_retries() == 1
+    assert ConnectionError in sync.retry._supported_errors
+
+    async def async_connection():
+        return connections.aclient().connection_pool.make_connection()
+
+    connection = asyncio.run(async_connection())
+    assert connection.retry.get_retries() == 1
+    assert ConnectionError in connection.retry._supported_errors
+
+
+def test_an_entry_already_in_the_stream_counts_as_written():
+    assert _written_before(
+        ResponseError("The ID specified in XADD is equal or smaller than the target stream top item")
+    )
+    assert not _written_before(OutOfMemoryError("command not allowed when used memory > 'maxmemory'."))
