@@ -5,7 +5,7 @@
 #   make test-fast           the unit and API tiers only (in process, no servers of its own): seconds
 #   make lint                ruff (lint + format check), mypy, the import layers
 #   make lock                rewrite requirements.lock / requirements-test.lock from pyproject.toml
-#   make install             the service's runtime dependencies only (make install-test: + test extras)
+#   make install             the service's runtime dependencies only (make install-test: + test extras, OpenCode)
 #   make bench [FULL=1]      the benchmark
 #   make chaos [ARGS=...]    the fault-injection suite (its own PostgreSQL, Redis, Daphne, workers)
 #   make migrate | seed | worker | clean
@@ -17,6 +17,11 @@ BIN    := $(VENV)/bin
 # (pytest, playwright, agentao, aiohttp) come with `make test` / `make bench`.
 STAMP      := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
+# OpenCode, the third-party ACP agent of tests/real: the pinned npm package `opencode-ai`,
+# installed from the npm registry into $(NODE_PREFIX) (bin/opencode) when npm is present.
+OPENCODE_VERSION := 1.18.33
+NODE_PREFIX      := $(VENV)/node
+OPENCODE_STAMP   := $(NODE_PREFIX)/.installed-opencode-$(OPENCODE_VERSION)
 
 # Extra pytest arguments: make test ARGS='-k meta -x'  (PYTEST_ARGS works too)
 ARGS        ?=
@@ -46,13 +51,28 @@ $(TEST_STAMP): $(STAMP)
 venv install: $(STAMP)
 	@:
 
-install-test: $(TEST_STAMP)
+# Without npm (or the registry) the OpenCode test skips, saying why; a second run installs
+# nothing. The package's postinstall links its platform binary; run again if npm skipped it.
+$(OPENCODE_STAMP): | $(BIN)/python
+	@if ! command -v npm >/dev/null 2>&1; then \
+		echo "make: npm is not installed, so OpenCode is not: tests/real/test_opencode.py will skip" >&2; \
+	elif npm install --global --prefix $(NODE_PREFIX) --no-audit --no-fund --loglevel=error \
+			opencode-ai@$(OPENCODE_VERSION) && \
+		{ $(NODE_PREFIX)/bin/opencode --version >/dev/null 2>&1 || \
+			(cd $(NODE_PREFIX)/lib/node_modules/opencode-ai && node postinstall.mjs); } && \
+		$(NODE_PREFIX)/bin/opencode --version >/dev/null; then \
+		touch $@; \
+	else \
+		echo "make: installing opencode-ai@$(OPENCODE_VERSION) failed: tests/real/test_opencode.py will skip" >&2; \
+	fi
+
+install-test: $(TEST_STAMP) $(OPENCODE_STAMP)
 	@:
 
 run: $(STAMP)
 	scripts/run.sh
 
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) $(OPENCODE_STAMP)
 	scripts/test.sh $(PYTEST_ARGS)
 
 # tests/unit (no I/O) and tests/api (the Django stack in process, on PostgreSQL).
