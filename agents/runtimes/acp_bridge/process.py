@@ -362,7 +362,9 @@ class AgentProcess:
             **sandbox.environment(spec.home, tmp, proxy_url),
             **spec.env,
             **self._gateway_env(),
-            **sandbox.fixed_environment(spec.home, tmp, proxy_url),
+            **sandbox.fixed_environment(
+                spec.home, tmp, proxy_url, own_loopback=namespaces and not sandbox.names_loopback(box.egress)
+            ),
         }
         executable = sandbox.resolve(spec.argv[0], env["PATH"])
         base_tasks = 0
@@ -381,6 +383,9 @@ class AgentProcess:
             self.cgroup = await asyncio.to_thread(cgroups.create, box.unit, box.limits)
             self._oom_base = self.cgroup.oom_kills() if self.cgroup else 0
         procs = self.cgroup.procs_files if self.cgroup else []
+        if self.cgroup is not None:  # the kernel bounds the unit's memory as a whole: no per-process
+            # data limit, which starves runtimes that reserve large address ranges (Bun, the JVM)
+            policy["limits"] = {name: value for name, value in policy["limits"].items() if name != "data"}
         if namespaces:
             policy = sandbox.namespace_policy(policy, egress_socket=egress_socket, cgroup_procs=procs)
         else:

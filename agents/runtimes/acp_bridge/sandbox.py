@@ -583,14 +583,33 @@ def environment(home: Path, tmp: Path, proxy_url: str | None) -> dict:
     return env
 
 
-def fixed_environment(home: Path, tmp: Path, proxy_url: str | None) -> dict:
-    """What the operator's `env` cannot override: where the agent may write and its only route out."""
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def fixed_environment(home: Path, tmp: Path, proxy_url: str | None, *, own_loopback: bool = False) -> dict:
+    """What the operator's `env` cannot override: where the agent may write and its only route out.
+
+    `own_loopback` (the namespaces mode, with no `egress` entry naming a loopback host): the
+    unit's loopback is its own, so requests to it (an agent's own local server, the relay)
+    skip the proxy; otherwise every request goes through it (a loopback egress entry means
+    the host's loopback, reached only through the proxy)."""
     fixed = {"HOME": str(home), "TMPDIR": str(tmp)}
     if proxy_url:
         for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
             fixed[name] = fixed[name.lower()] = proxy_url
-        fixed["NO_PROXY"] = fixed["no_proxy"] = ""
+        fixed["NO_PROXY"] = fixed["no_proxy"] = ",".join(LOOPBACK_NAMES) if own_loopback else ""
     return fixed
+
+
+def names_loopback(egress: tuple[str, ...]) -> bool:
+    """Whether an egress entry names a loopback host (the host's, through the proxy)."""
+    from .egress import parse_destination
+
+    for entry in egress:
+        host = parse_destination(entry)[0]
+        if host in LOOPBACK_NAMES or host.startswith("127."):
+            return True
+    return False
 
 
 def setup_failure(stderr_lines) -> str | None:
