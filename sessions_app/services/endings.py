@@ -1,5 +1,6 @@
 """How a turn ends on its stream and in its stored result: the `turn_stop` event (published
-once, rebuilt from the turn's row when its publication was lost) and the `none`-mode body."""
+once, rebuilt from the turn's row when its publication was lost and the stream is whole)
+and the `none`-mode body."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 
 from .. import events, turn_store
 from ..models import Turn
+from ..protocol import fold
 
 logger = logging.getLogger(__name__)
 
@@ -27,18 +29,33 @@ def _stored_stop(turn: Turn) -> tuple[str, dict]:
 
 def publish_stop_if_missing(turn_id: str) -> None:
     """A finished turn whose stream has events but no `turn_stop` (its publication failed:
-    Redis was down) gets one built from its row, so followers end."""
+    Redis was down or full) gets one built from its row, so followers end — only when the
+    stream holds every event from the first and they fold into what history keeps. A
+    `turn_stop` after a hole would tell its readers a wrong answer; without one a stream
+    closes as interrupted and its reader goes to history."""
     turn = Turn.objects.filter(id=turn_id, status=Turn.DONE).first()
     if turn is None:
         return
     try:
         last = events.backend().last_sync(turn_id)
+        if last is None or last[1].get("event") == "turn_stop":
+            return
+        streamed = events.backend().read_all_sync(turn_id)
     except Exception:
         return
-    if last is None or last[1].get("event") == "turn_stop":
+    if not _tells_what_history_keeps(turn, streamed):
+        logger.warning("turn %s: its live events miss part of its output; no turn_stop is rebuilt", turn_id)
         return
     stop_reason, meta = _stored_stop(turn)
-    publish_stop(turn_id, stop_reason, meta, seq=last[0] + 1)
+    publish_stop(turn_id, stop_reason, meta, seq=streamed[-1][0] + 1)
+
+
+def _tells_what_history_keeps(turn: Turn, streamed: list[tuple[int, dict]]) -> bool:
+    """Every event from the first is there, and they fold into the turn's stored output."""
+    if [seq for seq, _ in streamed] != list(range(1, len(streamed) + 1)):
+        return False
+    shown = [event for _, event in streamed if event.get("event") not in ("turn_start", "turn_stop")]
+    return fold(shown) == turn_store.turn_output(turn.id, turn.session_id, turn.output_seq)
 
 
 def publish_stop(turn_id: str, stop_reason: str, meta: dict, *, seq: int | None = None) -> None:
