@@ -204,8 +204,8 @@ def _seccomp(policy: dict) -> None:
     rules.load()
 
 
-def confine(policy: dict) -> None:
-    """Apply the whole policy to this process (single-threaded, before exec)."""
+def _limit_and_drop(policy: dict) -> None:
+    """The resource limits, then the unit's own uid and gid (when started as root)."""
     try:
         _limits(policy.get("limits", {}))
     except (OSError, ValueError) as exc:
@@ -215,6 +215,11 @@ def confine(policy: dict) -> None:
             _drop(int(policy["uid"]), int(policy["gid"]))
         except OSError as exc:
             _fail(f"the agent's user could not be set ({errno.errorcode.get(exc.errno, 'error')})")
+
+
+def confine(policy: dict) -> None:
+    """Apply the whole policy to this process (single-threaded, before exec)."""
+    _limit_and_drop(policy)
     try:
         _landlock(policy)
     except Exception as exc:  # py-landlock raises its own errors for a missing kernel feature
@@ -413,15 +418,7 @@ def main(argv: list[str]) -> None:
         return
     if policy.get("mode") == "namespaces":
         _join_cgroups(policy)
-        try:
-            _limits(policy.get("limits", {}))
-        except (OSError, ValueError) as exc:
-            _fail(f"the resource limits could not be set ({type(exc).__name__})")
-        if policy.get("uid") is not None:
-            try:
-                _drop(int(policy["uid"]), int(policy["gid"]))
-            except OSError as exc:
-                _fail(f"the agent's user could not be set ({errno.errorcode.get(exc.errno, 'error')})")
+        _limit_and_drop(policy)
         bwrap = _bwrap_argv(policy, command)
         try:
             os.execve(bwrap[0], bwrap, {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
