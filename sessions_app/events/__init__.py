@@ -82,6 +82,8 @@ async def follow(turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0) ->
                     yield QUIET
                 continue
             for seq, event in items:
+                if seq <= after:
+                    continue  # published twice (a write retried after Redis failed): sent once
                 after = seq
                 yield seq, event
                 if event.get("event") == "turn_stop":

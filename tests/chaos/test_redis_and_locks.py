@@ -185,11 +185,6 @@ def test_full_redis_refuses_new_turns_with_503_and_the_sweep_goes_on(chaos):
     assert history(chaos, lost_on)[-1] == user("lost")[0]
 
 
-@pytest.mark.xfail(
-    reason="Redis refuses XADD when full but not PUBLISH: followers are sent events the stream "
-    "does not hold, and a follower was seen to be sent some of them twice (issue 28, item 4)",
-    strict=False,
-)
 def test_streams_under_a_full_redis_never_end_on_a_wrong_answer(chaos):
     """Redis fills up while 4 turns stream deltas: a stream may close without `turn_stop`
     (interrupted), but one that ends on a `turn_stop` — live, or re-attached once Redis has

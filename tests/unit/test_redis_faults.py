@@ -53,3 +53,41 @@ def test_an_entry_already_in_the_stream_counts_as_written():
         ResponseError("The ID specified in XADD is equal or smaller than the target stream top item")
     )
     assert not _written_before(OutOfMemoryError("command not allowed when used memory > 'maxmemory'."))
+
+
+def test_a_follower_sends_an_event_published_twice_once(monkeypatch):
+    """A batch written again after Redis failed is published again: its follower may find
+    both copies waiting and sends each event once, in order."""
+    import asyncio
+    import contextlib
+
+    from sessions_app import events
+    from sessions_app.events.watcher import Watcher
+
+    start, a, b, stop = (
+        {"event": "turn_start"},
+        {"event": "text_delta", "delta": "a"},
+        {"event": "text_delta", "delta": "b"},
+        {"event": "turn_stop", "stopReason": "end_turn"},
+    )
+
+    class Republished:
+        @contextlib.asynccontextmanager
+        async def watch(self, turn_id):
+            watcher = Watcher()
+            watcher.deliver([(2, a), (3, b)])
+            watcher.deliver([(2, a), (3, b), (4, stop)])  # the retried write's publication
+            yield watcher
+
+        async def read_now(self, turn_id, after):
+            return [(1, start)] if after == 0 else []
+
+        async def last(self, turn_id):
+            return None
+
+    monkeypatch.setattr(events, "backend", lambda: Republished())
+
+    async def followed():
+        return [item async for item in events.follow("turn_unit")]
+
+    assert asyncio.run(followed()) == [(1, start), (2, a), (3, b), (4, stop)]
