@@ -85,7 +85,8 @@ def test_redis_restart_mid_turn_keeps_every_answer_equal_to_history(chaos):
     modes = [MODES[i % 3] for i in range(15)]
     with ThreadPoolExecutor(15) as pool:
         futures = [pool.submit(post_turn, chaos, s, "/slow 16 250", stream=m) for s, m in zip(sessions, modes)]
-        time.sleep(2.0)  # a few ticks out: every stream mode has written events
+        _until_running(db, sessions, statuses=("queued", "running"))  # accepted: 8 run, the rest wait
+        time.sleep(1.5)  # a few ticks out: every stream mode has written events
         chaos.redis.stop()
         time.sleep(1.0)
         chaos.redis.start()
@@ -212,14 +213,15 @@ def test_streams_under_a_full_redis_never_end_on_a_wrong_answer(chaos):
             _never_a_wrong_answer(again, history(chaos, session)[1:])
 
 
-def _until_running(db: Database, sessions: list[str], timeout: float = 30.0) -> None:
+def _until_running(db: Database, sessions: list[str], timeout: float = 30.0, statuses=("running",)) -> None:
+    """Until the turn of each session is in one of `statuses`."""
     deadline = time.monotonic() + timeout
     while True:
         with psycopg.connect(db.url, autocommit=True) as conn:
             count = conn.execute(
                 "SELECT count(*) FROM sessions_app_turn t JOIN sessions_app_session s ON s.id = t.session_id "
-                "WHERE s.public_id = ANY(%s) AND t.status = 'running'",
-                [sessions],
+                "WHERE s.public_id = ANY(%s) AND t.status = ANY(%s)",
+                [sessions, list(statuses)],
             ).fetchone()[0]
         if count == len(sessions):
             return
