@@ -1,6 +1,7 @@
-"""Per-unit control groups: the kernel's own accounting of a sandboxed unit's memory (page
-cache, tmpfs, shmem and memfds included), processes and CPU share, and a kill that reaches
-every process of the unit whatever it did to leave its process group.
+"""Control groups of sandboxed agent processes: the kernel's own accounting of a unit's
+process tree (its memory, page cache, tmpfs, shmem and memfds included, its processes and
+CPU share), and a kill that reaches every process of it whatever it did to leave its
+process group. One group per agent process (a unit runs one process per worker).
 
 Two layouts are understood:
 
@@ -10,7 +11,7 @@ Two layouts are understood:
   children, with `memory.max`, `memory.swap.max`, `pids.max` and `cpu.weight`; a unit is
   killed with `cgroup.kill`.
 - **cgroup v1** (the `memory`, `pids` and `cpu` hierarchies mounted separately), as root:
-  `<hierarchy>/aap/<unit>` in each, with `memory.limit_in_bytes` (and `memsw` where
+  `<hierarchy>/<the worker's group>/aap/<unit-process>` in each, with `memory.limit_in_bytes` (and `memsw` where
   accounted), `pids.max` and `cpu.shares`.
 
 Where neither can be written, `layout()` says why and the sandbox keeps its rlimits and the
@@ -23,6 +24,7 @@ import functools
 import hashlib
 import logging
 import os
+import secrets
 import signal
 import time
 from dataclasses import dataclass
@@ -190,15 +192,17 @@ def _name(unit: str) -> str:
 
 
 def create(unit: str, limits: Limits) -> UnitGroup | None:
-    """The unit's cgroup(s), created anew with its limits (None where there are no cgroups).
-    A group left by an earlier process of the same unit is emptied first."""
+    """A cgroup (or one per v1 hierarchy) for one process of the unit and everything it
+    starts, with the unit's limits (None where there are no cgroups). Each process gets a group
+    of its own: two workers on one host may each hold a process of the same unit (a session
+    moved between them), and stopping one must not touch the other."""
     found = layout()
     if isinstance(found, str):
         return None
-    group = UnitGroup(found, tuple(base / _name(unit) for base in found.bases))
-    group.remove()  # a fresh group: nothing left running, no counters of an earlier process
+    name = f"{_name(unit)}-{secrets.token_hex(4)}"
+    group = UnitGroup(found, tuple(base / name for base in found.bases))
     for directory in group.dirs:
-        directory.mkdir(exist_ok=True)
+        directory.mkdir()
     memory = str(limits.memory_bytes)
     if found.version == 2:
         directory = group.dirs[0]
@@ -214,13 +218,6 @@ def create(unit: str, limits: Limits) -> UnitGroup | None:
         (pids_dir / "pids.max").write_text(str(limits.processes))
         _try_write(cpu_dir / "cpu.shares", str(CPU_SHARES))
     return group
-
-
-def find(unit: str) -> UnitGroup | None:
-    found = layout()
-    if isinstance(found, str):
-        return None
-    return UnitGroup(found, tuple(base / _name(unit) for base in found.bases))
 
 
 def _try_write(path: Path, value: str) -> None:

@@ -637,13 +637,13 @@ class AgentProcess:
         await self._close_proxy()
 
     async def _kill_unit(self) -> None:
-        """Kill everything of the unit (its cgroup, its uid: what left the process group too),
-        before a new process of the same unit may start."""
-        if self.cgroup is not None:  # killed, and the group removed once empty
+        """Kill everything this process of the unit started (what left its process group too):
+        its cgroup, which nothing can leave, removed once empty; without one, every process of
+        the unit's uid."""
+        if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.remove)
-        if self.uid is None:
-            return
-        await asyncio.to_thread(sandbox.kill_uid, self.uid)
+        elif self.uid is not None:
+            await asyncio.to_thread(sandbox.kill_uid, self.uid)
 
     def _signal(self, sig: int) -> None:
         if self.process is not None:
