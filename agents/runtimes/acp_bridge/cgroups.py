@@ -79,13 +79,6 @@ class UnitGroup:
         except (OSError, ValueError):
             return 0
 
-    def memory_bytes(self) -> int:
-        name = "memory.current" if self.layout.version == 2 else "memory.usage_in_bytes"
-        try:
-            return int(self._file("memory", name).read_text())
-        except (OSError, ValueError):
-            return 0
-
     def oom_kills(self) -> int:
         """How many processes the kernel killed for this unit's memory limit."""
         name = "memory.events" if self.layout.version == 2 else "memory.oom_control"

@@ -259,6 +259,7 @@ def _read_env(policy: dict) -> dict:
     os.lseek(int(fd), 0, os.SEEK_SET)
     while chunk := os.read(int(fd), 1 << 16):
         chunks.append(chunk)
+    os.close(int(fd))  # read once: nothing the agent runs inherits it
     env = json.loads(b"".join(chunks) or b"{}")
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         _fail("the agent's environment is not a map of strings")
@@ -389,8 +390,6 @@ def inner_main(policy: dict, command: list[str]) -> None:
     """Inside bubblewrap's namespaces: read the agent's environment, start the relay, apply the
     seccomp filter, exec the agent."""
     env = _read_env(policy)
-    if policy.get("env_fd") is not None:
-        os.close(int(policy["env_fd"]))
     _start_relay(policy)
     try:
         _seccomp(policy)
@@ -426,8 +425,6 @@ def main(argv: list[str]) -> None:
             _fail(f"bubblewrap could not be started ({errno.errorcode.get(exc.errno, 'error')})")
         return
     env = _read_env(policy)
-    if policy.get("env_fd") is not None:
-        os.close(int(policy["env_fd"]))
     _join_cgroups(policy)
     confine(policy)
     _exec(command, env, policy.get("cwd") or "/")
