@@ -167,6 +167,7 @@ class _Publisher:
         self._waiting_since = 0.0  # when the oldest entry not yet taken by a write was queued
         self._expired_at: float | None = None
         self._yielded: float | None = None
+        self.ended = False  # the stream ended without this worker: it writes nothing more
 
     def _behind(self) -> bool:
         return (
@@ -178,6 +179,8 @@ class _Publisher:
     def _send(self, event: dict, *, last: bool = False) -> None:
         # A long turn's waiting deltas, and those of a turn whose writes fall behind, join
         # into one entry (turn_output).
+        if self.ended:
+            return
         if (self.seq > JOIN_AFTER_ENTRIES or self._behind()) and self._queue.join(event, JOINED_CHARS):
             return
         if not last:
@@ -214,6 +217,9 @@ class _Publisher:
             expire = self._expired_at is None or now - self._expired_at >= EXPIRE_EVERY_SECONDS
             try:
                 await self.backend.publish_many(self.turn_id, batch, expire=expire)
+            except events.StreamEnded:
+                self._fenced()
+                return
             except Exception as exc:
                 if failing_since is None:
                     failing_since = now
@@ -234,6 +240,19 @@ class _Publisher:
             if expire:
                 self._expired_at = now
             return
+
+    def _fenced(self) -> None:
+        """The turn's stream has ended without this worker: its claim was declared lost (it
+        was frozen, or cut off from Redis and PostgreSQL, past its lease) and its clients were
+        told so. Nothing more is written, and the agent is stopped: its answer cannot be kept."""
+        if self.ended:
+            return
+        self.ended = True
+        self._queue = DeltaRuns()
+        logger.warning("turn %s was declared lost while it ran here; its agent is stopped", self.turn_id)
+        task = _running.get(self.turn_id)
+        if task is not None and not task.done():
+            task.cancel()
 
     async def emit(self, event: dict) -> None:
         self.budget.add_output(event)
@@ -358,17 +377,6 @@ async def _resolve_permissions(ctx: HostContext, plan: TurnPlan) -> None:
         ctx.history.append({"role": "tool", "toolCallId": call.toolCallId, "content": content})
 
 
-async def _keep_lease(turn_id: str) -> None:
-    backend = events.backend()
-    interval = max(0.2, settings.AAP_TURN_LEASE_SECONDS / 3)
-    while True:
-        await asyncio.sleep(interval)
-        try:
-            await backend.refresh_lease(turn_id)
-        except Exception as exc:
-            logger.warning("lease refresh failed for %s: %s", turn_id, type(exc).__name__)
-
-
 async def _cancel_requested(turn_id: str) -> bool:
     try:
         return await events.backend().cancel_requested(turn_id)
@@ -386,7 +394,6 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
     publisher = _Publisher(plan.turn_id, plan.stream)
     ctx = HostContext(plan, publisher)
     runtime = runtime_for(plan.runtime_kind)
-    lease = asyncio.create_task(_keep_lease(plan.turn_id))
     task = asyncio.current_task()
     _running[plan.turn_id] = task
     _publishers[plan.turn_id] = publisher
@@ -418,7 +425,6 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
     finally:
         _running.pop(plan.turn_id, None)
         _publishers.pop(plan.turn_id, None)
-        lease.cancel()
     try:
         await publisher.close()
     except Exception as exc:

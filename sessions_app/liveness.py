@@ -1,9 +1,13 @@
-"""Heartbeats of running turns, written to PostgreSQL by the process running them.
+"""Heartbeats of running turns, written to PostgreSQL and Redis by the process running them.
 
 One thread per worker process updates every running turn's `heartbeat_at` in one statement
 every third of AAP_TURN_LEASE_SECONDS, and stores what the agent produced so far in the
-modes that publish only whole blocks (`message`, `none`), so a crash loses none of it. A
-turn is declared lost only when this heartbeat is stale and its Redis lease has lapsed too.
+modes that publish only whole blocks (`message`, `none`), so a crash loses none of it.
+Another keeps each running turn's Redis lease, from its claim until its end is stored, on
+the same clock but on its own: a statement that hangs while PostgreSQL stalls never delays
+it. A turn is declared lost only when its heartbeat is stale and its lease has lapsed too,
+so a worker that is alive but cannot reach PostgreSQL (it retries its finish meanwhile) is
+not declared lost for that alone.
 
 A Celery worker process also beats for itself (`serve_as_worker`): its row says how many
 turns it runs at once, which is the capacity sessions_app.dispatch fills, and while it has a
@@ -21,7 +25,7 @@ from collections.abc import Callable
 from django.conf import settings
 from django.db import connection
 
-from . import schedule_store, turn_store
+from . import events, schedule_store, turn_store
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +33,7 @@ _lock = threading.Lock()
 _running: dict[str, Callable[[], str | None] | None] = {}
 _last_partial: dict[str, str] = {}
 _thread: threading.Thread | None = None
+_leaser: threading.Thread | None = None
 _sweeper: threading.Thread | None = None
 # How often a worker process sweeps for lost turns (services.recovery.sweep_unless_running).
 SWEEP_SECONDS = 10.0
@@ -40,10 +45,13 @@ def interval() -> float:
 
 
 def _ensure_thread() -> None:
-    global _thread
+    global _thread, _leaser
     if _thread is None or not _thread.is_alive():
         _thread = threading.Thread(target=_beat_forever, name="aap-heartbeat", daemon=True)
         _thread.start()
+    if _leaser is None or not _leaser.is_alive():
+        _leaser = threading.Thread(target=_keep_leases_forever, name="aap-lease", daemon=True)
+        _leaser.start()
 
 
 def track(turn_id: str, partial: Callable[[], str | None] | None = None) -> None:
@@ -145,6 +153,25 @@ def _beat_forever() -> None:
             logger.warning("the worker's heartbeat could not be written: %s", type(exc).__name__)
         finally:
             connection.close()
+
+
+def keep_leases() -> None:
+    """One round: the Redis lease of every tracked turn, in one round trip."""
+    with _lock:
+        running = list(_running)
+    if running:
+        events.backend().refresh_leases_sync(running)
+
+
+def _keep_leases_forever() -> None:
+    import time
+
+    while True:
+        time.sleep(interval())
+        try:
+            keep_leases()
+        except Exception as exc:  # Redis restarting: the heartbeat in PostgreSQL stands alone
+            logger.warning("turn leases could not be refreshed: %s", type(exc).__name__)
 
 
 def _sweep_forever() -> None:

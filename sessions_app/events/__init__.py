@@ -18,8 +18,11 @@ from functools import cache
 
 from hosting import redis_connections
 
+from .fence import StreamEnded
 from .memory import MemoryEvents
 from .redis import RedisEvents
+
+__all__ = ["QUIET", "StreamEnded", "backend", "follow", "last_seq_sync", "unreachable"]
 
 
 @cache

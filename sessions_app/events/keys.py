@@ -1,4 +1,5 @@
-"""The Redis keys and channels of a turn's live events, lease, dispatch mark and cancel flag."""
+"""The Redis keys and channels of a turn's live events, end fence, lease, dispatch mark and
+cancel flag."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ def live_stream_ttl() -> int:
 
 def stream_key(turn_id: str) -> str:
     return f"aap:ev:{turn_id}"
+
+
+def ended_key(turn_id: str) -> str:
+    """Set with a turn's `turn_stop`: its stream takes no event after that (the fence)."""
+    return f"aap:end:{turn_id}"
 
 
 def lease_key(turn_id: str) -> str:

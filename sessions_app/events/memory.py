@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from django.conf import settings
 
+from .fence import StreamEnded
 from .watcher import Watcher
 
 
@@ -47,6 +48,8 @@ class MemoryEvents:
     def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
         with self._lock:
             log = self._log(turn_id)
+            if log.events and log.events[-1][1].get("event") == "turn_stop":
+                raise StreamEnded(turn_id)
             if log.events and log.events[-1][0] >= seq:
                 raise ValueError("event ids must increase")
             log.events.append((seq, event))
@@ -96,8 +99,9 @@ class MemoryEvents:
     def set_lease_sync(self, turn_id: str) -> None:
         self._leases[turn_id] = time.monotonic() + settings.AAP_TURN_LEASE_SECONDS
 
-    async def refresh_lease(self, turn_id: str) -> None:
-        self.set_lease_sync(turn_id)
+    def refresh_leases_sync(self, turn_ids: list[str]) -> None:
+        for turn_id in turn_ids:
+            self.set_lease_sync(turn_id)
 
     def clear_lease_sync(self, turn_id: str) -> None:
         self._leases.pop(turn_id, None)

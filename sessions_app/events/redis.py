@@ -1,4 +1,9 @@
-"""The production event backend: Redis streams, pub/sub notifications, leases, cancel flags."""
+"""The production event backend: Redis streams, pub/sub notifications, leases, cancel flags.
+
+Every write to a turn's stream goes through one Lua script (`_APPEND`), so it is refused, as a
+whole, once the stream has ended: the `turn_stop` that ends it sets the turn's end fence in the
+same script. A worker that was frozen past its lease and declared lost cannot write after the
+ending its turn's clients were told (docs/api.md, "Guarantees")."""
 
 from __future__ import annotations
 
@@ -12,10 +17,51 @@ from django.conf import settings
 
 from hosting.redis_connections import RedisConnections
 
-from .keys import CANCEL_CHANNEL, cancel_key, dispatch_key, lease_key, live_stream_ttl, notify_channel, stream_key
+from .fence import StreamEnded
+from .keys import (
+    CANCEL_CHANNEL,
+    cancel_key,
+    dispatch_key,
+    ended_key,
+    lease_key,
+    live_stream_ttl,
+    notify_channel,
+    stream_key,
+)
 from .watcher import Watcher
 
 logger = logging.getLogger(__name__)
+
+# KEYS: the stream, its end fence, the turn's lease. ARGV: the notify channel, the stream's
+# expiry in seconds (0: leave it), 1 if this write ends the stream, the publication, then
+# (entry id, event) pairs. An entry there already (a write retried after its connection
+# failed may have been applied) is skipped. Returns 0, writing nothing, if the stream ended.
+_APPEND = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+for i = 5, #ARGV, 2 do
+  local added = redis.pcall('XADD', KEYS[1], ARGV[i], 'e', ARGV[i + 1])
+  if type(added) == 'table' and added.err and not string.find(added.err, 'equal or smaller', 1, true) then
+    return added
+  end
+end
+redis.call('PUBLISH', ARGV[1], ARGV[4])
+if ARGV[2] ~= '0' then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+if ARGV[3] == '1' then
+  redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
+  redis.call('DEL', KEYS[3])
+end
+return 1
+"""
+
+
+def _append_args(turn_id: str, encoded: list[tuple[int, str]], expire: int, final: bool) -> list:
+    """EVAL's arguments for `_APPEND`: `encoded` holds (seq, event as JSON) pairs."""
+    publication = "[" + ",".join(f"[{seq},{text}]" for seq, text in encoded) + "]"
+    args: list = [_APPEND, 3, stream_key(turn_id), ended_key(turn_id), lease_key(turn_id)]
+    args += [notify_channel(turn_id), expire, int(final), publication]
+    for seq, text in encoded:
+        args += [f"0-{seq}", text]
+    return args
 
 
 class _NotifyHub:
@@ -128,12 +174,9 @@ class _PublishBatcher:
             work, self.pending = self.pending, []
             pipe = self.client.pipeline(transaction=False)
             for turn_id, batch, expire, _ in work:
-                encoded = [(seq, json.dumps(event)) for seq, event in batch]  # once, for both writes
-                for seq, text in encoded:
-                    pipe.xadd(stream_key(turn_id), {"e": text}, id=f"0-{seq}")
-                pipe.publish(notify_channel(turn_id), "[" + ",".join(f"[{seq},{text}]" for seq, text in encoded) + "]")
-                if expire:
-                    pipe.expire(stream_key(turn_id), live_stream_ttl())
+                encoded = [(seq, json.dumps(event)) for seq, event in batch]
+                # EVAL, not EVALSHA: Redis caches the script, and no round trip checks for it.
+                pipe.execute_command("EVAL", *_append_args(turn_id, encoded, live_stream_ttl() if expire else 0, False))
             try:
                 results = await pipe.execute(raise_on_error=False)
             except Exception as exc:  # the connection failed: every caller of this round learns it
@@ -141,24 +184,15 @@ class _PublishBatcher:
                     if not done.done():
                         done.set_exception(exc)
                 continue
-            position = 0
-            for _, batch, expire, done in work:
-                size = len(batch) + 1 + expire
-                mine = results[position : position + size]
-                position += size
-                failed = next((r for r in mine if isinstance(r, Exception) and not _written_before(r)), None)
+            for (turn_id, *_, done), result in zip(work, results):
                 if done.done():
                     continue  # its caller was cancelled meanwhile
-                if failed is not None:
-                    done.set_exception(failed)
+                if isinstance(result, Exception):
+                    done.set_exception(result)
+                elif not result:
+                    done.set_exception(StreamEnded(turn_id))
                 else:
                     done.set_result(None)
-
-
-def _written_before(error: Exception) -> bool:
-    """An XADD refused because its entry is there already: a pipeline retried after its
-    connection failed (hosting.redis_connections) may have been applied the first time."""
-    return "equal or smaller than the target stream top item" in str(error)
 
 
 class RedisEvents:
@@ -183,13 +217,11 @@ class RedisEvents:
         await batcher.publish(turn_id, batch, expire)
 
     def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
-        pipe = self.sync.pipeline(transaction=False)
-        pipe.xadd(stream_key(turn_id), {"e": json.dumps(event)}, id=f"0-{seq}")
-        pipe.expire(stream_key(turn_id), settings.AAP_EVENT_RETENTION_SECONDS if final else live_stream_ttl())
-        pipe.publish(notify_channel(turn_id), json.dumps([(seq, event)]))
-        if final:
-            pipe.delete(lease_key(turn_id))  # the turn is over: its lease goes with the same round trip
-        pipe.execute()
+        """Write one event; `final` (a `turn_stop`) ends the stream: it keeps the events for
+        AAP_EVENT_RETENTION_SECONDS and takes no more. Raises StreamEnded if it had ended."""
+        expire = settings.AAP_EVENT_RETENTION_SECONDS if final else live_stream_ttl()
+        if not self.sync.execute_command("EVAL", *_append_args(turn_id, [(seq, json.dumps(event))], expire, final)):
+            raise StreamEnded(turn_id)
 
     async def read_now(self, turn_id: str, after: int) -> list[tuple[int, dict]]:
         entries = await self.aclient().xrange(stream_key(turn_id), min=f"(0-{after}", max="+", count=500)
@@ -216,8 +248,11 @@ class RedisEvents:
     def set_lease_sync(self, turn_id: str) -> None:
         self.sync.set(lease_key(turn_id), "1", px=int(settings.AAP_TURN_LEASE_SECONDS * 1000))
 
-    async def refresh_lease(self, turn_id: str) -> None:
-        await self.aclient().set(lease_key(turn_id), "1", px=int(settings.AAP_TURN_LEASE_SECONDS * 1000))
+    def refresh_leases_sync(self, turn_ids: list[str]) -> None:
+        pipe = self.sync.pipeline(transaction=False)
+        for turn_id in turn_ids:
+            pipe.set(lease_key(turn_id), "1", px=int(settings.AAP_TURN_LEASE_SECONDS * 1000))
+        pipe.execute()
 
     def clear_lease_sync(self, turn_id: str) -> None:
         self.sync.delete(lease_key(turn_id))

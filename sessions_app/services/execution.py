@@ -16,7 +16,7 @@ from hosting import metrics
 from hosting.logs import bind_log_context, describe_failure
 
 from .. import events, host, liveness, turn_store
-from ..models import Message, Session, Turn
+from ..models import Turn
 from ..protocol import dumps, unstorable
 from .endings import LOST_ERROR, publish_stop, publish_stop_if_missing
 from .history import apply_compaction
@@ -213,13 +213,16 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
         # (a delete holding it and waiting for this turn's row would otherwise deadlock).
         turn_store.lock_session_row(session_pk)
         ended = _end_turn(turn_id, outcome)
-        reclaimed = None if ended else _reclaim_declared_lost(turn_id, session_pk, outcome)
-        if not ended and not reclaimed:
-            # Deleted with its session, or this is a retry whose first commit went through
-            # (or a lost turn whose session moved on): the stream gets the stored ending.
+        if not ended:
+            # Deleted with its session, a retry whose first commit went through, or a turn
+            # declared lost while this worker was frozen or cut off: it ended once already,
+            # and what its clients were told then is what history keeps (the fence,
+            # docs/api.md "Guarantees"). The stream gets the stored ending if it lacks one.
+            if _declared_lost(turn_id):
+                logger.warning("turn %s finished after it was declared lost; its answer is not kept", turn_id)
             transaction.on_commit(lambda: publish_stop_if_missing(turn_id))
             return True
-        others_waiting = (ended or reclaimed).others_waiting  # type: ignore[union-attr]
+        others_waiting = ended.others_waiting
         last = turn_store.close_turn_on_session(
             session_pk,
             added=len(outcome.messages),
@@ -236,9 +239,6 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
         meta = dict(outcome.stop_meta)
         if outcome.model_calls:
             meta["usage"] = {"promptTokens": outcome.prompt_tokens, "completionTokens": outcome.completion_tokens}
-        if reclaimed:
-            # Its listeners already got the recovery's ending; history and the turn hold the truth.
-            return others_waiting
         transaction.on_commit(lambda: publish_stop(turn_id, outcome.stop_reason, meta, seq=outcome.last_seq + 1))
     return others_waiting
 
@@ -257,25 +257,5 @@ def _end_turn(turn_id: str, outcome: host.TurnOutcome) -> turn_store.EndedTurn |
     )
 
 
-def _reclaim_declared_lost(turn_id: str, session_pk: int, outcome: host.TurnOutcome) -> turn_store.EndedTurn | None:
-    """A worker finished a turn that was declared lost meanwhile (it was frozen longer than
-    the lease): its real result wins. When nothing was written to the session since, what
-    the recovery stored is taken back and the turn is running again, for _finish to end it."""
-    session = Session.objects.select_for_update().filter(pk=session_pk).first()
-    turn = Turn.objects.select_for_update().filter(id=turn_id).first()
-    if session is None or turn is None or turn.status != Turn.DONE or turn.error != LOST_ERROR:
-        return None
-    last_of_turn = (
-        Message.objects.filter(session_id=session_pk, kind=Message.FULL, turn_id=turn_id).order_by("-seq").first()
-    )
-    if session.active_turn_id is not None or last_of_turn is None or last_of_turn.seq != session.message_seq:
-        logger.warning("turn %s finished after it was declared lost and its session moved on; kept as lost", turn_id)
-        return None
-    cut = turn.output_seq or session.message_seq + 1
-    Message.objects.filter(session_id=session_pk, turn_id=turn_id, seq__gte=cut).delete()
-    Session.objects.filter(pk=session_pk).update(message_seq=cut - 1)
-    Turn.objects.filter(id=turn_id).update(
-        status=Turn.RUNNING, stop_reason="", error="", finished_at=None, output_seq=0
-    )
-    logger.warning("turn %s finished after it was declared lost; its real result replaces the recovered one", turn_id)
-    return _end_turn(turn_id, outcome)
+def _declared_lost(turn_id: str) -> bool:
+    return Turn.objects.filter(id=turn_id, status=Turn.DONE, error=LOST_ERROR).exists()

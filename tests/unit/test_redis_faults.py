@@ -9,7 +9,6 @@ from redis.exceptions import ConnectionError, OutOfMemoryError, ReadOnlyError, R
 
 from hosting.errors import exception_handler
 from hosting.redis_connections import RedisConnections
-from sessions_app.events.redis import _written_before
 
 
 @pytest.mark.parametrize(
@@ -46,13 +45,6 @@ def test_pooled_connections_retry_once_on_a_connection_error(settings):
     connection = asyncio.run(async_connection())
     assert connection.retry.get_retries() == 1
     assert ConnectionError in connection.retry._supported_errors
-
-
-def test_an_entry_already_in_the_stream_counts_as_written():
-    assert _written_before(
-        ResponseError("The ID specified in XADD is equal or smaller than the target stream top item")
-    )
-    assert not _written_before(OutOfMemoryError("command not allowed when used memory > 'maxmemory'."))
 
 
 def test_a_follower_sends_an_event_published_twice_once(monkeypatch):
