@@ -34,17 +34,17 @@ def _load_runtimes(**kwargs):
         except Exception as exc:
             logging.getLogger(__name__).warning("runtime kind %s cannot be loaded: %s", kind, type(exc).__name__)
     freeze_startup_heap()
-    from sessions_app import liveness
+    from sessions_app import worker
 
     # Ready for turns: the dispatcher now counts this worker's slots and fills them.
-    liveness.serve_as_worker(process.worker_node, process.worker_concurrency)
+    worker.start_worker(process.worker_node, process.worker_concurrency)
 
 
 @worker_shutting_down.connect
 def _stop_serving(**kwargs):
-    from sessions_app import liveness
+    from sessions_app import worker
 
-    liveness.stop_serving()
+    worker.stop_worker()
 
 
 @worker_shutdown.connect

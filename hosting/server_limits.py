@@ -16,13 +16,28 @@ length that never arrives holds the connection). Here, at the HTTP channel:
 Each refusal closes the connection: the response is written, the sending side is shut, the
 rest of the upload is discarded for a moment (so the client can read the answer instead of
 a reset) and the connection is then dropped.
+
+And while a response goes out: Daphne writes whatever the application sends into Twisted's
+send buffer, which has no bound, so a client that stops reading a long stream (or dozens of
+them re-attaching to a large turn) would hold the whole of it in the web process. Each
+response registers a push producer with its request (Twisted's public flow control): once
+the socket's buffer is full, Twisted pauses it, and the application's next `send` waits
+until the client has read it. A stream's pump waits with it, so a slow client costs a
+socket buffer, not the turn; a client that reads nothing for `AAP_RESPONSE_STALL_SECONDS`
+is dropped (it re-attaches from the last event it read; the turn goes on).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 
 from django.conf import settings
+from twisted.internet.interfaces import IPushProducer
+from zope.interface import implementer
+
+logger = logging.getLogger(__name__)
 
 # Seconds a refused connection keeps discarding what the client still sends before it is dropped.
 LINGER_SECONDS = 2.0
@@ -74,9 +89,88 @@ def _start_deadline(channel, seconds: float, message: str) -> None:
     channel._aap_deadline = channel.callLater(seconds, refuse, channel, 408, message)
 
 
+@implementer(IPushProducer)
+class SendBuffer:
+    """A response's flow control, registered with its request as a push producer: Twisted
+    pauses it when the socket's buffer is full and resumes it once the client has read it."""
+
+    def __init__(self):
+        self.paused = False
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+        self.resumed.clear()
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        self.resumed.set()
+
+    def stopProducing(self) -> None:
+        self.pauseProducing()
+
+
+def _drop(request, waited: float) -> None:
+    """Close a response whose client read nothing for `waited` seconds (Daphne then tells the
+    application it disconnected)."""
+    request._aap_dropped = True
+    if request.producer is not None:
+        request.unregisterProducer()
+    logger.warning(
+        "dropped a response to %s: its client read nothing for %.0f seconds",
+        request.path.decode("ascii", "replace"),  # the path alone: a query may hold a ticket
+        waited,
+    )
+    request.channel.transport.abortConnection()
+
+
+def _flow_controlled_request(original):
+    """Daphne's WebRequest.handle_reply: a response registers its SendBuffer with its first
+    body bytes and unregisters it before its last (Twisted logs one left behind)."""
+
+    def handle_reply(self, message):
+        if getattr(self, "_aap_dropped", False):
+            return None
+        if message.get("type") == "http.response.body" and not self.finished and self.channel is not None:
+            more = message.get("more_body", False)
+            if more and self.producer is None:
+                try:
+                    self.registerProducer(SendBuffer(), True)
+                except RuntimeError:  # the connection's previous response still holds one
+                    pass
+            elif not more and isinstance(self.producer, SendBuffer):
+                self.unregisterProducer()
+        return original(self, message)
+
+    return handle_reply
+
+
+def _flow_controlled_send(original):
+    """Daphne's Server.handle_reply, the application's `send`: while the client is not
+    reading, a body message waits (the application waits with it: a turn's stream stops
+    reading its events, which Redis keeps), for up to AAP_RESPONSE_STALL_SECONDS; then the
+    response is dropped."""
+
+    async def handle_reply(self, protocol, message):
+        buffer = getattr(protocol, "producer", None)
+        if isinstance(buffer, SendBuffer) and buffer.paused and message.get("type") == "http.response.body":
+            try:
+                async with asyncio.timeout(settings.AAP_RESPONSE_STALL_SECONDS):
+                    await buffer.resumed.wait()
+            except TimeoutError:
+                if not getattr(protocol, "_aap_dropped", False) and protocol.channel is not None:
+                    _drop(protocol, settings.AAP_RESPONSE_STALL_SECONDS)
+                return None
+        return await original(self, protocol, message)
+
+    return handle_reply
+
+
 def install() -> None:
     """Patch Twisted's HTTP channel and Daphne's request (idempotent): the server layer's limits."""
     from daphne.http_protocol import WebRequest
+    from daphne.server import Server
     from twisted.web.http import HTTPChannel
 
     if getattr(HTTPChannel, "_aap_limits", False):
@@ -151,3 +245,5 @@ def install() -> None:
 
     WebRequest.handleContentChunk = handleContentChunk
     WebRequest.basic_error = basic_error
+    WebRequest.handle_reply = _flow_controlled_request(WebRequest.handle_reply)
+    Server.handle_reply = _flow_controlled_send(Server.handle_reply)

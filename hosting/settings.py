@@ -248,6 +248,9 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = AAP_MAX_BODY_BYTES
 # A request's line and headers, then its body, must arrive within these (408 otherwise).
 AAP_REQUEST_HEADERS_TIMEOUT_SECONDS = env_float("AAP_REQUEST_HEADERS_TIMEOUT_SECONDS", 10.0)
 AAP_REQUEST_BODY_TIMEOUT_SECONDS = env_float("AAP_REQUEST_BODY_TIMEOUT_SECONDS", 60.0)
+# A response waits this long for a client that reads nothing (its socket buffer full),
+# then the connection is dropped (a stream's client re-attaches; hosting/server_limits).
+AAP_RESPONSE_STALL_SECONDS = env_float("AAP_RESPONSE_STALL_SECONDS", 60.0)
 # How long a turn's events can be replayed after it ends.
 AAP_EVENT_RETENTION_SECONDS = env_int("AAP_EVENT_RETENTION_SECONDS", 3600)
 # How long a running turn's event stream is kept at most (longer than any turn runs).

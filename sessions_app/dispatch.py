@@ -6,7 +6,7 @@ workers have free slots (their heartbeats in PostgreSQL say how many turns each 
 once): the others wait in PostgreSQL, and whenever a slot frees (a turn ends, a worker
 starts or beats with a free thread, a turn is accepted with slots free) `dispatch_next`
 picks the next ones there (when a turn ends, its worker thread runs the first of them
-itself: `run_turns`), the tenant with the fewest turns in flight per unit of its
+itself: sessions_app.worker.run_turns), the tenant with the fewest turns in flight per unit of its
 weight first (schedule_store.fair_order), and never more at once than the tenant's running-turns
 limit. So a tenant's single short turn waits for one slot to free, not behind another
 tenant's backlog, and a tenant whose limit is below the workers' slots leaves the rest free.
@@ -23,23 +23,20 @@ harmless: a worker claims a turn once (turn_store.claim_turn). Waiting is never 
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
 
 from celery.utils.nodenames import worker_direct
 from django.conf import settings
-from django.db import close_old_connections, connection, transaction
+from django.db import connection, transaction
 from django.utils import timezone
+from django.utils.module_loading import import_string
 
-from hosting import broker, tracing
-from hosting.logs import log_context
+from hosting import broker
 
-from . import events, liveness, schedule_store, turn_store
-from .services import execution
+from . import events, schedule_store
 
 logger = logging.getLogger(__name__)
 
@@ -60,92 +57,9 @@ def _embedded_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=settings.AAP_EMBEDDED_WORKERS, thread_name_prefix="aap-turn")
 
 
-def _run_embedded(turn_id: str) -> None:
-    close_old_connections()
-    try:
-        run_turns(turn_id)
-    finally:
-        close_old_connections()
-
-
-# How long one worker thread keeps taking the next waiting turn itself (run_turns); then the
-# next goes through the broker, and the thread's task ends.
-CHAIN_SECONDS = 20.0
-
-
-def run_turns(turn_id: str) -> None:
-    """Run a turn on this thread (a Celery task's, or the embedded pool's), then, while turns
-    wait for a worker slot, the one the fair order gives the slot it freed: the thread claims
-    and runs it itself. At saturation that is two statements per turn (the fair order's first,
-    its claim) instead of the chooser's transaction, a broker message published, consumed and
-    acknowledged, and a Redis mark set and cleared. Whether others wait comes with the
-    statement that ends the turn, so below saturation a turn's end costs nothing more.
-
-    The chain stops when nothing waits, when this worker is shutting down (a warm shutdown
-    takes no new turn: the waiting ones stay in PostgreSQL for the other workers), and after
-    CHAIN_SECONDS (the next one then goes through the broker). A turn is claimed here by the
-    same conditional UPDATE as from the broker, so it runs once; if this process dies while it
-    runs, its heartbeat stops and it is recovered like any other running turn."""
-    deadline = time.monotonic() + CHAIN_SECONDS
-    claimed: turn_store.ClaimedTurn | None = None
-    while True:
-        with log_context(turn=turn_id), tracing.new_trace() if claimed else nullcontext():
-            try:
-                others_waiting = execution.turn_execute(turn_id, claimed=claimed)
-            except BaseException:
-                dispatch_next()  # this slot is free: the next waiting turn, through the broker
-                raise
-        if not others_waiting:
-            return
-        if time.monotonic() > deadline or not _takes_turns():
-            dispatch_next()
-            return
-        following = take_next()
-        if following is None:
-            return
-        turn_id, claimed = following
-
-
-def _takes_turns() -> bool:
-    """This process still takes new turns: the embedded mode's pool, or a Celery worker
-    that is not shutting down."""
-    return not settings.REDIS_URL or liveness.serving()
-
-
-# The first turns of the fair order a thread reads at once: threads ending together each
-# claim one of them instead of reading the order again after losing a race.
-_PICKS = 4
-
-
-def take_next() -> tuple[str, turn_store.ClaimedTurn] | None:
-    """For a worker thread whose turn just ended: claim the waiting turn the fair order gives
-    its slot. None when nothing may start (nothing waits, every waiting turn's tenant runs
-    all it may, or the slot was given to a turn sent through the broker), or PostgreSQL is
-    unreachable (the waiting turns stay queued for the next chance). Threads ending together
-    read the same order: each claims the first of it no other thread holds
-    (turn_store.claim_first). Never raises."""
-    try:
-        since = timezone.now() - timedelta(seconds=worker_stale_seconds())
-        order, in_flight, slots = schedule_store.fair_order_with_room(
-            _PICKS, settings.AAP_TENANT_MAX_RUNNING_TURNS, since
-        )
-        if in_flight >= capacity(slots):
-            # The slot this thread freed went to a turn sent through the broker meanwhile
-            # (the chooser saw it free): the thread goes back to the broker, which has it.
-            return None
-        candidates = [turn_id for turn_id, may_start in order if may_start]
-        if not candidates:
-            return None
-        taken = turn_store.claim_first(candidates)
-        if taken is not None:
-            return taken
-        if len(order) < _PICKS:
-            return None  # every waiting turn was taken meanwhile
-    except Exception as exc:
-        logger.warning("waiting turns could not be dispatched now (%s)", type(exc).__name__)
-        return None
-    dispatch_next(wait=False)  # contended: the chooser settles it, unless one is at work already
-    return None
+# What a thread of the embedded pool runs, by name like the Celery task (sessions_app.worker
+# builds on this module, not the other way round).
+EMBEDDED_RUNNER = "sessions_app.worker.run_embedded"
 
 
 def enqueue_turn(turn_id: str, *, node: str | None = None) -> None:
@@ -156,7 +70,7 @@ def enqueue_turn(turn_id: str, *, node: str | None = None) -> None:
         queue = worker_direct(node) if node else settings.CELERY_TASK_DEFAULT_QUEUE
         broker.send_task(RUN_TURN, turn_id, (turn_id,), queue)
     else:
-        _embedded_pool().submit(_run_embedded, turn_id)
+        _embedded_pool().submit(import_string(EMBEDDED_RUNNER), turn_id)
 
 
 # The advisory lock that serializes choosing turns for free slots (one chooser at a time).

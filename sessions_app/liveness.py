@@ -9,11 +9,8 @@ it. A turn is declared lost only when its heartbeat is stale and its lease has l
 so a worker that is alive but cannot reach PostgreSQL (it retries its finish meanwhile) is
 not declared lost for that alone.
 
-A Celery worker process also beats for itself (`serve_as_worker`): its row says how many
-turns it runs at once, which is the capacity sessions_app.dispatch fills, and while it has a
-free thread each round offers it to the turns waiting in PostgreSQL. It also sweeps for lost
-turns every SWEEP_SECONDS on a thread of its own (one worker at a time), so lost turns end
-even when no broker message can be sent (Redis full or down).
+A Celery worker process's own heartbeat, its sweep for lost turns and its turn chain are
+sessions_app.worker's.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from collections.abc import Callable
 from django.conf import settings
 from django.db import connection
 
-from . import events, schedule_store, turn_store
+from . import events, turn_store
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +31,6 @@ _running: dict[str, Callable[[], str | None] | None] = {}
 _last_partial: dict[str, str] = {}
 _thread: threading.Thread | None = None
 _leaser: threading.Thread | None = None
-_sweeper: threading.Thread | None = None
-# How often a worker process sweeps for lost turns (services.recovery.sweep_unless_running).
-SWEEP_SECONDS = 10.0
-_worker: tuple[str, int] | None = None  # (node name, concurrency) in a Celery worker process
 
 
 def interval() -> float:
@@ -59,54 +52,6 @@ def track(turn_id: str, partial: Callable[[], str | None] | None = None) -> None
     with _lock:
         _running[turn_id] = partial
         _ensure_thread()
-
-
-def serve_as_worker(node: str, concurrency: int) -> None:
-    """This process runs up to `concurrency` turns at once: say so now and every round."""
-    global _worker, _sweeper
-    with _lock:
-        _worker = (node, concurrency)
-        _ensure_thread()
-        if _sweeper is None or not _sweeper.is_alive():
-            _sweeper = threading.Thread(target=_sweep_forever, name="aap-sweep", daemon=True)
-            _sweeper.start()
-    try:
-        _worker_round()
-    except Exception as exc:
-        logger.warning("the worker's heartbeat could not be written: %s", type(exc).__name__)
-    finally:
-        connection.close()
-
-
-def serving() -> bool:
-    """This process is a Celery worker that takes turns (not shutting down)."""
-    return _worker is not None
-
-
-def stop_serving() -> None:
-    """The worker is shutting down: its slots no longer count (running turns still beat)."""
-    global _worker
-    with _lock:
-        node, _worker = (_worker or (None, 0))[0], None
-    if node:
-        try:
-            schedule_store.worker_gone(node)
-        except Exception:
-            pass  # its heartbeat goes stale instead
-        finally:
-            connection.close()
-
-
-def _worker_round() -> None:
-    from . import dispatch
-
-    with _lock:
-        worker, busy = _worker, len(_running)
-    if worker is None:
-        return
-    schedule_store.worker_beat(*worker)
-    if busy < worker[1]:
-        dispatch.dispatch_next()
 
 
 def untrack(turn_id: str) -> None:
@@ -147,12 +92,6 @@ def _beat_forever() -> None:
             beat()
         except Exception as exc:  # PostgreSQL restarting: the next round tries again
             logger.warning("turn heartbeats could not be written: %s", type(exc).__name__)
-        try:
-            _worker_round()
-        except Exception as exc:
-            logger.warning("the worker's heartbeat could not be written: %s", type(exc).__name__)
-        finally:
-            connection.close()
 
 
 def keep_leases() -> None:
@@ -174,21 +113,7 @@ def _keep_leases_forever() -> None:
             logger.warning("turn leases could not be refreshed: %s", type(exc).__name__)
 
 
-def _sweep_forever() -> None:
-    """A worker's own sweep for lost turns, on its own thread (a long sweep never delays the
-    heartbeats), one worker at a time: it depends on PostgreSQL only, not on a broker
-    message reaching a worker."""
-    import time
-
-    from .services import recovery
-
-    while True:
-        time.sleep(SWEEP_SECONDS)
-        if _worker is None:
-            continue  # shutting down
-        try:
-            recovery.sweep_unless_running()
-        except Exception as exc:  # PostgreSQL restarting: the next round tries again
-            logger.warning("the sweep for lost turns failed: %s", type(exc).__name__)
-        finally:
-            connection.close()
+def tracked() -> int:
+    """How many turns this process runs now."""
+    with _lock:
+        return len(_running)

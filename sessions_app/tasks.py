@@ -2,8 +2,9 @@
 
 from celery import shared_task
 
-from .dispatch import RUN_TURN, run_turns
+from .dispatch import RUN_TURN
 from .services import recovery
+from .worker import run_turns
 
 
 @shared_task(name=RUN_TURN, ignore_result=True)

@@ -262,7 +262,7 @@ def waiting(alias: str) -> str:
 def claim_turn(turn_id: str, *, waiting_only: bool = False) -> ClaimedTurn | None:
     """queued -> running, at most once: a second delivery of the task gets None.
     `waiting_only`: only while no one dispatched it yet (a worker thread taking a waiting turn
-    for itself, sessions_app.dispatch.take_next)."""
+    for itself, sessions_app.worker.take_next)."""
     started = timezone.now()
     now = connection.ops.adapt_datetimefield_value(started)
     undispatched = " AND dispatched_at IS NULL" if waiting_only else ""
@@ -323,7 +323,7 @@ def end_turn(
 ) -> EndedTurn | None:
     """running -> done; None when it was no longer running (declared lost, or deleted).
     The same statement says whether other turns wait for a worker slot (a hint for the worker
-    thread that ran this one, sessions_app.dispatch.run_turns: no statement of its own).
+    thread that ran this one, sessions_app.worker.run_turns: no statement of its own).
 
     `produced`: the turn's output is about to be appended to its session, so its first
     message will be the session's next seq; that seq is the turn's `output_seq` (set in the

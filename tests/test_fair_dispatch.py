@@ -166,11 +166,11 @@ def test_a_tenant_never_runs_more_turns_at_once_than_its_limit(settings):
 def _taken_in_order(mine: list[str], count: int) -> list[str]:
     """What `take_next` claims, this test's turns only, until `count` of them are taken (a
     waiting turn another test left behind is claimed too, inside this test's transaction)."""
-    from sessions_app import dispatch
+    from sessions_app import worker
 
     taken: list[str] = []
     for _ in range(len(mine) + 1000):
-        following = dispatch.take_next()
+        following = worker.take_next()
         if following is None:
             break
         if following[0] in mine:
@@ -200,14 +200,14 @@ def test_a_thread_whose_turn_ended_claims_the_next_turn_of_the_fair_order(monkey
 
 
 def test_a_thread_leaves_its_slot_to_a_turn_sent_through_the_broker_meanwhile(monkeypatch):
-    from sessions_app import dispatch
+    from sessions_app import dispatch, worker
     from sessions_app.models import Turn
 
     waiting = _turns(_tenant(), 1)
     # Every slot is held (running, or dispatched through the broker and about to run): the
     # thread goes back to the broker instead of taking a waiting turn beyond the workers' slots.
     monkeypatch.setattr(dispatch, "capacity", lambda counted=None: 0)
-    assert dispatch.take_next() is None
+    assert worker.take_next() is None
     assert Turn.objects.get(id=waiting[0]).status == Turn.QUEUED
 
 

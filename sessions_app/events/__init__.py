@@ -18,6 +18,7 @@ from functools import cache
 
 from hosting import redis_connections
 
+from .entries import MIN_COUNT, next_count
 from .fence import StreamEnded
 from .memory import MemoryEvents
 from .redis import RedisEvents
@@ -66,14 +67,19 @@ async def follow(turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0) ->
         if after and await reader_has_the_stop():
             return
         read = True  # the stream is read to replay, to fill a gap, and when woken without events
+        count = MIN_COUNT  # entries per read, grown while they are small (entries.next_count)
         while True:
             woken = watcher.wake.is_set()
             watcher.wake.clear()  # before reading: a publication during the read is not lost
             items = [] if read else watcher.take(after)
             # A wake-up without events: the hub reconnected, or the in-memory backend.
+            read_more = False
             if read or (items and items[0][0] != after + 1) or (woken and not items):
-                items = await events.read_now(turn_id, after)
-            read = False
+                asked = count
+                items = await events.read_now(turn_id, after, asked)
+                count = next_count(asked, items)
+                read_more = len(items) >= asked  # a full round: the stream may hold more already
+            read = read_more
             if not items:
                 try:
                     async with asyncio.timeout(quiet_seconds):  # no task per wait, unlike wait_for

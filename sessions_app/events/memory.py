@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from django.conf import settings
 
+from .entries import Entries
 from .fence import StreamEnded
 from .watcher import Watcher
 
@@ -65,10 +66,11 @@ class MemoryEvents:
         for seq, event in batch:
             self.publish_sync(turn_id, seq, event)
 
-    async def read_now(self, turn_id: str, after: int) -> list[tuple[int, dict]]:
+    async def read_now(self, turn_id: str, after: int, count: int = 500) -> Entries:
+        """`size` stays 0: the events are shared, not copied, whatever their number."""
         with self._lock:
             log = self._logs.get(turn_id)
-            return [item for item in log.events if item[0] > after] if log else []
+            return Entries([item for item in log.events if item[0] > after][:count] if log else [])
 
     @contextlib.asynccontextmanager
     async def watch(self, turn_id: str):

@@ -17,6 +17,7 @@ from django.conf import settings
 
 from hosting.redis_connections import RedisConnections
 
+from .entries import Entries
 from .fence import StreamEnded
 from .keys import (
     CANCEL_CHANNEL,
@@ -223,9 +224,11 @@ class RedisEvents:
         if not self.sync.execute_command("EVAL", *_append_args(turn_id, [(seq, json.dumps(event))], expire, final)):
             raise StreamEnded(turn_id)
 
-    async def read_now(self, turn_id: str, after: int) -> list[tuple[int, dict]]:
-        entries = await self.aclient().xrange(stream_key(turn_id), min=f"(0-{after}", max="+", count=500)
-        return [(int(entry_id.split("-")[1]), json.loads(fields["e"])) for entry_id, fields in entries]
+    async def read_now(self, turn_id: str, after: int, count: int = 500) -> Entries:
+        entries = await self.aclient().xrange(stream_key(turn_id), min=f"(0-{after}", max="+", count=count)
+        read = Entries((int(entry_id.split("-")[1]), json.loads(fields["e"])) for entry_id, fields in entries)
+        read.size = sum(len(fields["e"]) for _, fields in entries)
+        return read
 
     def watch(self, turn_id: str):
         """An async context giving a Watcher that is handed the turn's new events as published."""

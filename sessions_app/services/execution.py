@@ -114,7 +114,7 @@ def _output_json(turn_id: str) -> str | None:
 
 def turn_execute(turn_id: str, *, claimed: turn_store.ClaimedTurn | None = None) -> bool:
     """Run a queued turn to its end and persist it. Safe to call twice (the second is a no-op).
-    `claimed`: a worker thread already took it (sessions_app.dispatch.take_next); otherwise it
+    `claimed`: a worker thread already took it (sessions_app.worker.take_next); otherwise it
     came through the broker and is claimed here.
 
     Returns whether other turns were waiting for a worker slot as it ended (True when that is

@@ -40,6 +40,8 @@ CHAOS_ENV = {
     # Faults, not fair share: the tenant's limits would refuse the burst with 429 at the door.
     "AAP_TENANT_MAX_RUNNING_TURNS": "0",
     "AAP_TENANT_TURNS_PER_MINUTE": "0",
+    # A client that reads nothing is dropped after this (test_slow_readers).
+    "AAP_RESPONSE_STALL_SECONDS": "5",
     "LOG_LEVEL": "INFO",
     "DEBUG": "0",
     "PYTHONUNBUFFERED": "1",
@@ -131,6 +133,28 @@ class Postgres:
             "60",
             "restart",
         )
+
+    def _pids(self) -> list[int]:
+        """The postmaster and every process it started (backends, checkpointer, ...)."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = Path(f"/proc/{postmaster}/task/{postmaster}/children").read_text().split()
+        return [postmaster, *map(int, children)]
+
+    def freeze(self) -> list[int]:
+        """A stall (a saturated disk, a paused VM): every PostgreSQL process stops where it
+        is. Connections stay open and statements hang; nothing fails. Returns the pids."""
+        pids = self._pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    @staticmethod
+    def thaw(pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def running(self) -> bool:
         result = subprocess.run(

@@ -54,6 +54,7 @@ def test_a_follower_sends_an_event_published_twice_once(monkeypatch):
     import contextlib
 
     from sessions_app import events
+    from sessions_app.events.entries import Entries
     from sessions_app.events.watcher import Watcher
 
     start, a, b, stop = (
@@ -71,8 +72,8 @@ def test_a_follower_sends_an_event_published_twice_once(monkeypatch):
             watcher.deliver([(2, a), (3, b), (4, stop)])  # the retried write's publication
             yield watcher
 
-        async def read_now(self, turn_id, after):
-            return [(1, start)] if after == 0 else []
+        async def read_now(self, turn_id, after, count):
+            return Entries([(1, start)] if after == 0 else [])
 
         async def last(self, turn_id):
             return None
@@ -83,3 +84,59 @@ def test_a_follower_sends_an_event_published_twice_once(monkeypatch):
         return [item async for item in events.follow("turn_unit")]
 
     assert asyncio.run(followed()) == [(1, start), (2, a), (3, b), (4, stop)]
+
+
+def test_a_follower_reads_a_long_stream_in_rounds_sized_by_bytes():
+    """A follower replaying a stream asks for few entries at first, more while they are
+    small, and few again once they are large: it holds about one round, never the turn."""
+    from sessions_app.events.entries import MAX_COUNT, MIN_COUNT, ROUND_BYTES, Entries, next_count
+
+    def read(n: int, size: int) -> Entries:
+        entries = Entries([(i, {}) for i in range(n)])
+        entries.size = size
+        return entries
+
+    count = MIN_COUNT
+    for _ in range(10):
+        count = next_count(count, read(count, count * 100))  # small entries: the rounds grow
+    assert count == MAX_COUNT
+    assert next_count(count, read(count, ROUND_BYTES + 1)) == MIN_COUNT  # large ones: back to few
+    assert next_count(64, read(10, 1000)) == 64  # the stream's end: nothing to learn
+
+
+def test_a_follower_goes_on_reading_after_a_full_round(monkeypatch):
+    """A round that came back full is followed by another at once (the stream may hold more
+    already, with nothing more to be published): a finished turn replays without waiting."""
+    import asyncio
+    import contextlib
+
+    from sessions_app import events
+    from sessions_app.events.entries import Entries
+    from sessions_app.events.watcher import Watcher
+
+    stream = [(1, {"event": "turn_start"})]
+    stream += [(i, {"event": "text_delta", "delta": "x" * 100_000}) for i in range(2, 40)]
+    stream += [(40, {"event": "turn_stop", "stopReason": "end_turn"})]
+    asked: list[int] = []
+
+    class Finished:
+        @contextlib.asynccontextmanager
+        async def watch(self, turn_id):
+            yield Watcher()  # nothing will be published: the turn is over
+
+        async def read_now(self, turn_id, after, count):
+            asked.append(count)
+            entries = Entries([item for item in stream if item[0] > after][:count])
+            entries.size = sum(len(e.get("delta", "")) for _, e in entries)
+            return entries
+
+        async def last(self, turn_id):
+            return stream[-1]
+
+    monkeypatch.setattr(events, "backend", lambda: Finished())
+
+    async def followed():
+        return [item async for item in events.follow("turn_unit", quiet_seconds=30)]
+
+    assert asyncio.run(asyncio.wait_for(followed(), 5)) == stream
+    assert max(asked) <= 16, asked  # large entries: small rounds
