@@ -151,6 +151,17 @@ EXAMPLES = {
         },
     },
 }
+EXAMPLES[("/v2/session", "put")] = {
+    "json": {
+        "summary": "A session of the demo echo agent and its first turn, answered as JSON",
+        "value": {"agent": {"name": "echo"}, "messages": [{"role": "user", "content": "Hello"}]},
+    },
+    "stream": {
+        "summary": "Streamed as deltas (SSE, session_start first)",
+        "value": {"agent": {"name": "echo"}, "stream": "delta", "messages": [{"role": "user", "content": "Hello"}]},
+    },
+}
+EXAMPLES[("/v2/session/{session_id}", "post")] = EXAMPLES[("/v1/sessions/{session_id}/turns", "post")]
 META_PROPERTY = {"type": "object", "additionalProperties": True, "description": "Extra data the server ignores."}
 
 
