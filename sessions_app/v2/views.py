@@ -61,14 +61,13 @@ class SessionCreateView(APIView):
                     "(`turn_start`", "(`session_start {sessionId}` first, then `turn_start`"
                 )
             ),
-            409: protocol.ErrorSerializer,
             **ERRORS,
         },
     )
     def put(self, request):
-        data = v3._validated(shapes.V2CreateSessionSerializer, request.data)
+        data = v3.validated(shapes.V2CreateSessionSerializer, request.data)
         session_id, turn = turns.session_open(
-            tenant=request.user.tenant, **shapes.create_request_to_v3(data), idempotency=v3._idempotency(request)
+            tenant=request.user.tenant, **shapes.create_request_to_v3(data), idempotency=v3.idempotency(request)
         )
         return _started(request, session_id, turn, created=True)
 
@@ -87,12 +86,12 @@ class SessionView(APIView):
         },
     )
     def post(self, request, session_id):
-        data = v3._validated(shapes.V2TurnRequestSerializer, request.data)
+        data = v3.validated(shapes.V2TurnRequestSerializer, request.data)
         turn = turns.turn_start(
             tenant=request.user.tenant,
             session_id=session_id,
             data=shapes.turn_request_to_v3(data),
-            idempotency=v3._idempotency(request),
+            idempotency=v3.idempotency(request),
         )
         return _started(request, session_id, turn)
 
@@ -116,7 +115,7 @@ class SessionsView(APIView):
         responses={200: shapes.V2SessionListSerializer, **v3.ERRORS},
     )
     def get(self, request):
-        query = v3._validated(shapes.V2SessionListQuerySerializer, request.query_params)
+        query = v3.validated(shapes.V2SessionListQuerySerializer, request.query_params)
         try:
             page = selectors.sessions_page(request.user.tenant, after=query.get("after"), limit=query["limit"])
         except BadRequest:
