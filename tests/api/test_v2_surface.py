@@ -224,6 +224,18 @@ def test_a_first_turn_behind_pending_seed_tool_calls_leaves_no_session_behind(ap
     assert not Session.objects.exists()
 
 
+def test_a_first_turn_over_a_tenant_limit_is_a_429_and_leaves_no_session_behind(api, settings):
+    settings.AAP_TENANT_MAX_RUNNING_TURNS = 1
+    settings.AAP_TENANT_MAX_QUEUED_TURNS = 0
+    busy = Session.objects.get(public_id=api.create_session())
+    Turn.objects.create(session=busy, status=Turn.RUNNING)  # the tenant's one running turn (no worker here)
+    response = api.put("/v2/session", {"agent": {"name": "echo"}, "messages": [user()]})
+    error = assert_refusal(response, 429)
+    assert "limit of 1 concurrent running turns" in error
+    assert response["Retry-After"]
+    assert list(Session.objects.all()) == [busy] and Turn.objects.count() == 1
+
+
 BAD_TURNS = [
     ({"agent": {"name": "echo"}, "messages": [user()]}, "agent.name"),
     ({"messages": []}, "messages"),
