@@ -86,19 +86,22 @@ class TurnResult:
 
     @property
     def text(self) -> str:
-        """The assistant's text across the turn's messages."""
+        """The assistant's text across the turn's messages (AAP allows `content` to be a plain
+        string as well as blocks)."""
         return "".join(
-            block.get("text", "")
+            m["content"] if isinstance(m["content"], str) else _blocks_text(m["content"])
             for m in self.messages
-            if m["role"] == "assistant" and isinstance(m["content"], list)
-            for block in m["content"]
-            if block.get("type") == "text"
+            if m["role"] == "assistant"
         )
 
     def pending_tool_calls(self) -> list[dict[str, Any]]:
         """The turn's `tool_use` blocks that have no `tool` message yet (the application's to answer)."""
         answered = {m["toolCallId"] for m in self.messages if m["role"] == "tool"}
         return [b for m in self.messages for b in tool_uses(m) if b["toolCallId"] not in answered]
+
+
+def _blocks_text(blocks: list[dict[str, Any]]) -> str:
+    return "".join(block.get("text", "") for block in blocks if block.get("type") == "text")
 
 
 def _json_result(response: httpx.Response, body: bytes) -> TurnResult:
@@ -143,10 +146,22 @@ class _StreamBase:
         self.events.extend(events)
         return events
 
+    def _truncated(self) -> str:
+        """Why there is no result; re-attach is named only when this server offers it (a turn
+        id and event ids: an extension, not AAP)."""
+        start = next((e for e in self.events if e.event == "turn_start"), None)
+        turn_id = self.turn_id or (start.meta.get("turnId") if start else None)
+        if turn_id and self.last_event_id is not None:
+            return "The stream ended before turn_stop; re-attach with last_event_id to read the rest."
+        return (
+            "The stream ended before turn_stop and this server offers no re-attach; "
+            "read the session's history for what the turn produced."
+        )
+
     def _result(self) -> TurnResult:
         stop = next((e for e in reversed(self.events) if e.event == "turn_stop"), None)
         if stop is None:
-            raise AAPError(0, "The stream ended before turn_stop; re-attach with last_event_id to read the rest.")
+            raise AAPError(0, self._truncated())
         start = next((e for e in self.events if e.event == "turn_start"), None)
         return TurnResult(
             stop.data["stopReason"],

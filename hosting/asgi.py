@@ -1,9 +1,10 @@
 """ASGI entry point: Channels' protocol router in front of Django, served by Daphne.
 
-HTTP goes to Django: `/v1/` (the AAP API) through hosting.handlers.ApiHandler (async
+HTTP goes to Django: `/v1/` (the AAP API) and `/v2/` (its v2-era surface) through hosting.handlers.ApiHandler (async
 middleware, views on a shared thread pool), the rest (admin, static, health) through the
 stock handler. A turn's stream is handed off by its view to TurnStreamHandoff, which
-writes it from the event loop (no thread and no database connection per open stream). Static files (admin) are served here too, for a self-contained deployment.
+writes it from the event loop (no thread and no database connection per open stream);
+V2TurnShaper reshapes the bodies of `/v2/` turns on their way out. Static files (admin) are served here too, for a self-contained deployment.
 """
 
 import os
@@ -18,9 +19,10 @@ django_asgi = get_asgi_application()
 
 from hosting.handlers import ApiHandler, PathRouter  # noqa: E402
 from sessions_app.streaming import TurnStreamHandoff  # noqa: E402  (needs Django set up)
+from sessions_app.v2.stream import V2TurnShaper  # noqa: E402
 
 application = ProtocolTypeRouter(
-    {"http": TurnStreamHandoff(ASGIStaticFilesHandler(PathRouter(ApiHandler(), django_asgi)))}
+    {"http": V2TurnShaper(TurnStreamHandoff(ASGIStaticFilesHandler(PathRouter(ApiHandler(), django_asgi))))}
 )
 
 

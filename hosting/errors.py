@@ -226,7 +226,9 @@ def json_error(message: str, status_code: int, **headers) -> JsonResponse:
 
 
 def handler404(request, exception=None):
-    return json_error(f"There is nothing at {request.path}; the AAP API lives under /v1/.", 404)
+    return json_error(
+        f"There is nothing at {request.path}; the AAP API lives under /v1/ (AAP v3) and /v2/ (its v2-era surface).", 404
+    )
 
 
 def handler500(request):

@@ -177,14 +177,14 @@ def _rendered(view):
 
 
 class PathRouter:
-    """ASGI: `/v1/` and `/healthz` to the API handler, everything else (admin, static) to
+    """ASGI: `/v1/`, `/v2/` and `/healthz` to the API handler, everything else (admin, static) to
     `default`. /healthz avoids the admin chain, whose CommonMiddleware refuses a Host outside
     ALLOWED_HOSTS: the container's healthcheck calls it by address."""
 
-    def __init__(self, api, default, prefix: str = "/v1/"):
-        self.api, self.default, self.prefix = api, default, prefix
+    def __init__(self, api, default, prefixes: tuple[str, ...] = ("/v1/", "/v2/")):
+        self.api, self.default, self.prefixes = api, default, prefixes
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        app = self.api if path.startswith(self.prefix) or path == "/healthz" else self.default
+        app = self.api if path.startswith(self.prefixes) or path == "/healthz" else self.default
         return await app(scope, receive, send)

@@ -38,6 +38,14 @@ OPERATION_IDS = {
     ("/v1/sessions/{session_id}/turns", "post"): "sendTurn",
     ("/v1/sessions/{session_id}/turns/{turn_id}/events", "get"): "reattachTurn",
     ("/v1/sessions/{session_id}/turns/{turn_id}/cancel", "post"): "cancelTurn",
+    ("/v2/meta", "get"): "v2GetMeta",
+    ("/v2/session", "put"): "v2CreateSession",
+    ("/v2/session/{session_id}", "post"): "v2SendTurn",
+    ("/v2/session/{session_id}", "get"): "v2GetSession",
+    ("/v2/session/{session_id}", "delete"): "v2DeleteSession",
+    ("/v2/sessions", "get"): "v2ListSessions",
+    ("/v2/session/{session_id}/turns/{turn_id}/events", "get"): "v2ReattachTurn",
+    ("/v2/session/{session_id}/turns/{turn_id}/cancel", "post"): "v2CancelTurn",
 }
 
 ERROR = {"$ref": "#/components/schemas/Error"}
@@ -93,6 +101,26 @@ LINKS = {
 }
 # Open API before 3.2 has an event stream's `schema` describe each event.
 SSE = {"schema": {"$ref": "#/components/schemas/TurnEvent"}}
+# PUT /v2/session's stream: `session_start` (no id:) before the turn's events.
+V2_SSE = {
+    "schema": {
+        "oneOf": [
+            {
+                "type": "object",
+                "required": ["event", "data"],
+                "properties": {
+                    "event": {"type": "string", "enum": ["session_start"]},
+                    "data": {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {"$ref": "#/components/schemas/V2SessionStartEvent"},
+                    },
+                },
+            },
+            {"$ref": "#/components/schemas/TurnEvent"},
+        ]
+    }
+}
 TURN_ID_HEADER = {"AAP-Turn-Id": {"schema": {"type": "string"}, "required": True, "description": "The turn's id."}}
 
 
@@ -123,12 +151,24 @@ EXAMPLES = {
         },
     },
 }
+EXAMPLES[("/v2/session", "put")] = {
+    "json": {
+        "summary": "A session of the demo echo agent and its first turn, answered as JSON",
+        "value": {"agent": {"name": "echo"}, "messages": [{"role": "user", "content": "Hello"}]},
+    },
+    "stream": {
+        "summary": "Streamed as deltas (SSE, session_start first)",
+        "value": {"agent": {"name": "echo"}, "stream": "delta", "messages": [{"role": "user", "content": "Hello"}]},
+    },
+}
+EXAMPLES[("/v2/session/{session_id}", "post")] = EXAMPLES[("/v1/sessions/{session_id}/turns", "post")]
 META_PROPERTY = {"type": "object", "additionalProperties": True, "description": "Extra data the server ignores."}
 
 
 def postprocess(result, generator, request, public):
     """SPECTACULAR_SETTINGS["POSTPROCESSING_HOOKS"]: complete the generated document."""
     from sessions_app.protocol import WIRE_SCHEMAS
+    from sessions_app.v2.shapes import WIRE_SCHEMAS as V2_WIRE_SCHEMAS
 
     schemas = result.setdefault("components", {}).setdefault("schemas", {})
     for name, schema in schemas.items():
@@ -137,6 +177,7 @@ def postprocess(result, generator, request, public):
             schema.setdefault("properties", {})["_meta"] = META_PROPERTY
             schema["additionalProperties"] = False
     schemas.update(WIRE_SCHEMAS)
+    schemas.update(V2_WIRE_SCHEMAS)
     for key, examples in EXAMPLES.items():
         body = result["paths"].get(key[0], {}).get(key[1], {}).get("requestBody")
         if body:
@@ -158,11 +199,20 @@ def postprocess(result, generator, request, public):
         ok = turns["responses"]["200"]
         ok["content"]["text/event-stream"] = SSE
         ok["headers"] = TURN_ID_HEADER
-    events = result["paths"].get("/v1/sessions/{session_id}/turns/{turn_id}/events", {}).get("get")
-    if events:
-        events["responses"]["200"] = {
-            "description": "The turn's events after Last-Event-ID, then live ones until turn_stop.",
-            "content": {"text/event-stream": SSE},
-            "headers": TURN_ID_HEADER,
-        }
+    for path in ("/v2/session", "/v2/session/{session_id}"):
+        operation = result["paths"].get(path, {}).get("put" if path == "/v2/session" else "post")
+        if operation:
+            ok = operation["responses"]["200"]
+            ok.setdefault("content", {})["text/event-stream"] = V2_SSE if path == "/v2/session" else SSE
+            ok["headers"] = TURN_ID_HEADER
+            if path == "/v2/session":
+                operation["responses"]["201"]["headers"] = TURN_ID_HEADER
+    for path in ("/v1/sessions/{session_id}/turns/{turn_id}/events", "/v2/session/{session_id}/turns/{turn_id}/events"):
+        events = result["paths"].get(path, {}).get("get")
+        if events:
+            events["responses"]["200"] = {
+                "description": "The turn's events after Last-Event-ID, then live ones until turn_stop.",
+                "content": {"text/event-stream": SSE},
+                "headers": TURN_ID_HEADER,
+            }
     return result

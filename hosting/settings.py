@@ -329,7 +329,8 @@ REST_FRAMEWORK = {
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "AAP v3 hosting API",
-    "DESCRIPTION": "Agent Application Protocol v3: discover agents, run sessions and turns, stream events.",
+    "DESCRIPTION": "Agent Application Protocol v3: discover agents, run sessions and turns, stream events. "
+    "Under /v2/: the same sessions for clients of the earlier (v2-era) wire format.",
     "VERSION": "3",
     "SERVE_INCLUDE_SCHEMA": False,
     "SWAGGER_UI_DIST": "SIDECAR",

@@ -1,10 +1,11 @@
 from django.contrib import admin
-from django.urls import path, register_converter
+from django.urls import path, re_path, register_converter
 from drf_spectacular.views import SpectacularJSONAPIView, SpectacularSwaggerSplitView
 
 from sessions_app import usage_admin
 from sessions_app import views as aap
 from sessions_app.playground import views as playground
+from sessions_app.v2 import views as aap_v2
 
 from . import metrics
 from .views import healthz
@@ -32,6 +33,23 @@ urlpatterns = [
     path("v1/sessions/<id:session_id>/turns", aap.TurnsView.as_view(), name="aap-turns"),
     path("v1/sessions/<id:session_id>/turns/<id:turn_id>/events", aap.TurnEventsView.as_view(), name="aap-turn-events"),
     path("v1/sessions/<id:session_id>/turns/<id:turn_id>/cancel", aap.TurnCancelView.as_view(), name="aap-turn-cancel"),
+    # The v2-era paths under /v1/ say where each surface lives (a v2-era client given /v1 as its base URL).
+    re_path(r"^v1/session(?:/.*)?$", aap_v2.v1_session_path, name="aap-v1-session-moved"),
+    # The v2-era surface (seed 001): other shapes, the same sessions and services.
+    path("v2/meta", aap_v2.MetaView.as_view(), name="aap-v2-meta"),
+    path("v2/session", aap_v2.SessionCreateView.as_view(), name="aap-v2-session-create"),
+    path("v2/session/<id:session_id>", aap_v2.SessionView.as_view(), name="aap-v2-session"),
+    path("v2/sessions", aap_v2.SessionsView.as_view(), name="aap-v2-sessions"),
+    path(
+        "v2/session/<id:session_id>/turns/<id:turn_id>/events",
+        aap_v2.TurnEventsView.as_view(),
+        name="aap-v2-turn-events",
+    ),
+    path(
+        "v2/session/<id:session_id>/turns/<id:turn_id>/cancel",
+        aap_v2.TurnCancelView.as_view(),
+        name="aap-v2-turn-cancel",
+    ),
     # The JSON view: the plain one answers YAML unless the client asks for JSON.
     path(
         "v1/openapi.json",

@@ -155,17 +155,17 @@ def _object(required: dict, optional: dict | None = None, description: str = "")
     return schema
 
 
-def content_schema(block_types) -> dict:
+def content_schema(block_types, schemas: dict[str, str] = BLOCK_SCHEMAS) -> dict:
     return {
         "oneOf": [
             {"type": "string"},
-            {"type": "array", "items": {"oneOf": [ref(BLOCK_SCHEMAS[t]) for t in block_types]}},
+            {"type": "array", "items": {"oneOf": [ref(schemas[t]) for t in block_types]}},
         ]
     }
 
 
-def message_schema(roles) -> dict:
-    return {"oneOf": [ref(ROLE_SCHEMAS[role]) for role in roles]}
+def message_schema(roles, schemas: dict[str, str] = ROLE_SCHEMAS) -> dict:
+    return {"oneOf": [ref(schemas[role]) for role in roles]}
 
 
 def _event(name: str, required: dict | None = None, description: str = "") -> dict:
@@ -308,12 +308,16 @@ class ContentField(serializers.Field):
     """`string | ContentBlock[]`, with the block types a given role may carry."""
 
     default_error_messages = {"invalid": "Content must be a string or a list of content blocks."}
+    block_serializers = BLOCK_SERIALIZERS
+    block_schemas = BLOCK_SCHEMAS
 
     def __init__(self, *, block_types=tuple(BLOCK_SERIALIZERS), string_only=False, **kwargs):
         self.block_types = block_types
         self.string_only = string_only
         super().__init__(**kwargs)
-        set_override(self, "field", {"type": "string"} if string_only else content_schema(block_types))
+        set_override(
+            self, "field", {"type": "string"} if string_only else content_schema(block_types, self.block_schemas)
+        )
 
     def to_internal_value(self, data):
         if isinstance(data, str):
@@ -328,7 +332,7 @@ class ContentField(serializers.Field):
             if kind not in self.block_types:
                 errors[index] = [f"Block type must be one of: {', '.join(self.block_types)}."]
                 continue
-            serializer = BLOCK_SERIALIZERS[kind](data=block)
+            serializer = self.block_serializers[kind](data=block)
             if not serializer.is_valid():
                 errors[index] = serializer.errors
         if errors:
@@ -380,11 +384,13 @@ class MessageField(serializers.Field):
     """One message of the roles allowed in this position (history seeds or turn input)."""
 
     default_error_messages = {"invalid": "Each message must be a JSON object with a 'role'."}
+    message_serializers = MESSAGE_SERIALIZERS
+    role_schemas = ROLE_SCHEMAS
 
     def __init__(self, *, roles, **kwargs):
         self.roles = roles
         super().__init__(**kwargs)
-        set_override(self, "field", message_schema(roles))
+        set_override(self, "field", message_schema(roles, self.role_schemas))
 
     def to_internal_value(self, data):
         if not isinstance(data, dict):
@@ -392,7 +398,7 @@ class MessageField(serializers.Field):
         role = data.get("role")
         if role not in self.roles:
             raise serializers.ValidationError({"role": [f"Role must be one of: {', '.join(self.roles)}."]})
-        serializer = MESSAGE_SERIALIZERS[role](data=data)
+        serializer = self.message_serializers[role](data=data)
         if not serializer.is_valid():
             raise serializers.ValidationError(serializer.errors)
         return data  # stored exactly as sent

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 
 from django.http import HttpResponse
 
@@ -64,6 +65,12 @@ def sessions_page(tenant, *, after: str | None, limit: int) -> dict:
     if len(rows) > limit:
         body["next"] = encode_cursor(rows[limit - 1].pk)
     return body
+
+
+def history_messages(session: Session, history_type: str) -> list[dict]:
+    """The stored messages of one history type, parsed (the caller checked the agent keeps it)."""
+    texts = Message.objects.filter(session=session, kind=history_type).order_by("seq").values_list("data", flat=True)
+    return [json.loads(text) for text in texts]
 
 
 def history_response(session: Session, history_type: str) -> HttpResponse:

@@ -41,7 +41,7 @@ IDEMPOTENCY_KEY = OpenApiParameter(
 RETRY_ERRORS = {422: protocol.ErrorSerializer, 503: protocol.ErrorSerializer}
 
 
-def _idempotency(request) -> tuple[str, str] | None:
+def idempotency(request) -> tuple[str, str] | None:
     """(Idempotency-Key, fingerprint of the request) when the client sent the header."""
     key = request.headers.get("Idempotency-Key")
     if key is None:
@@ -51,7 +51,7 @@ def _idempotency(request) -> tuple[str, str] | None:
     return key, idempotency_keys.fingerprint(request.method, request.path, request.data)
 
 
-def _validated(serializer_class, data):
+def validated(serializer_class, data):
     serializer = serializer_class(data=data)
     serializer.is_valid(raise_exception=True)
     return serializer.validated_data
@@ -83,13 +83,13 @@ class SessionsView(APIView):
         responses={201: protocol.SessionIdSerializer, **ERRORS, **RETRY_ERRORS},
     )
     def post(self, request):
-        data = _validated(protocol.CreateSessionSerializer, request.data)
+        data = validated(protocol.CreateSessionSerializer, request.data)
         session = sessions.session_create(
             tenant=request.user.tenant,
             agent_config=data["agent"],
             messages=data.get("messages"),
             tools=data.get("tools"),
-            idempotency=_idempotency(request),
+            idempotency=idempotency(request),
         )
         return Response({"sessionId": session.public_id}, status=status.HTTP_201_CREATED)
 
@@ -99,7 +99,7 @@ class SessionsView(APIView):
         responses={200: protocol.SessionListSerializer, **ERRORS},
     )
     def get(self, request):
-        query = _validated(protocol.SessionListQuerySerializer, request.query_params)
+        query = validated(protocol.SessionListQuerySerializer, request.query_params)
         return Response(selectors.sessions_page(request.user.tenant, after=query.get("after"), limit=query["limit"]))
 
 
@@ -122,7 +122,7 @@ class HistoryView(APIView):
     )
     def get(self, request, session_id):
         session = selectors.session_for_tenant(request.user.tenant, session_id)
-        query = _validated(protocol.HistoryQuerySerializer, request.query_params)
+        query = validated(protocol.HistoryQuerySerializer, request.query_params)
         return selectors.history_response(session, query["type"])
 
 
@@ -146,9 +146,9 @@ class TurnsView(APIView):
         responses={**TURN_RESPONSES, **RETRY_ERRORS},
     )
     def post(self, request, session_id):
-        data = _validated(protocol.TurnRequestSerializer, request.data)
+        data = validated(protocol.TurnRequestSerializer, request.data)
         turn = turns.turn_start(
-            tenant=request.user.tenant, session_id=session_id, data=data, idempotency=_idempotency(request)
+            tenant=request.user.tenant, session_id=session_id, data=data, idempotency=idempotency(request)
         )
         response = turn_response(turn.id, turn.stream, token_id=request.user.token.pk)
         response["AAP-Events-Ticket"] = turn_events_ticket(request.user.token, session_id, turn.id)

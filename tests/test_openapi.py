@@ -14,6 +14,10 @@ AAP_PATHS = {
     "/v1/sessions/{session_id}": {"get", "delete"},
     "/v1/sessions/{session_id}/history": {"get"},
     "/v1/sessions/{session_id}/turns": {"post"},
+    "/v2/meta": {"get"},
+    "/v2/session": {"put"},
+    "/v2/session/{session_id}": {"post", "get", "delete"},
+    "/v2/sessions": {"get"},
 }
 
 
@@ -181,6 +185,23 @@ def test_messages_blocks_and_events_are_schemas_not_prose(document):
     }
 
 
+def test_the_v2_era_surface_is_documented_in_its_own_shapes(document):
+    schemas = document["components"]["schemas"]
+    create = _operation(document, "/v2/session", "put")
+    request = _schema(document, create["requestBody"]["content"]["application/json"]["schema"])
+    assert request["required"] == ["agent", "messages"]
+    tool = _schema(document, request["properties"]["tools"]["items"])
+    assert "inputSchema" in tool["properties"] and "parameters" not in tool["properties"]
+    trust = _schema(document, _schema(document, request["properties"]["agent"])["properties"]["tools"]["items"])
+    assert "trust" in trust["required"]
+    assert set(schemas["V2ImageBlock"]["required"]) == {"type", "mimeType", "data"}
+    assert set(create["responses"]["201"]["content"]) == {"application/json"}
+    stream = create["responses"]["200"]["content"]["text/event-stream"]["schema"]["oneOf"]
+    assert stream[0]["properties"]["event"]["enum"] == ["session_start"]
+    listing = _operation(document, "/v2/sessions", "get")["responses"]["200"]["content"]["application/json"]["schema"]
+    assert set(_schema(document, listing)["properties"]) == {"sessions", "nextCursor"}
+
+
 def _validator(document: dict, schema: dict):
     import jsonschema
 
@@ -218,6 +239,22 @@ def test_responses_match_the_documented_shapes(document, demo):
             demo.get(f"/v1/sessions/{session}/history", params={"type": "full"}),
         ),
         ("/v1/sessions", "post", demo.post("/v1/sessions", {"agent": {"name": "nope"}})),
+        ("/v2/meta", "get", demo.get("/v2/meta")),
+        ("/v2/sessions", "get", demo.get("/v2/sessions", params={"limit": 1})),
+        ("/v2/session/{session_id}", "get", demo.get(f"/v2/session/{session}")),
+        (
+            "/v2/session",
+            "put",
+            demo.http.put(
+                "/v2/session", json={"agent": {"name": "echo"}, "messages": [{"role": "user", "content": "hi"}]}
+            ),
+        ),
+        (
+            "/v2/session/{session_id}",
+            "post",
+            demo.post(f"/v2/session/{session}", {"messages": [{"role": "user", "content": "/think hi"}]}),
+        ),
+        ("/v2/session", "put", demo.http.put("/v2/session", json={"agent": {"name": "nope"}, "messages": []})),
     ]
     for path, method, response in checks:
         answer = _operation(document, path, method)["responses"][str(response.status_code)]

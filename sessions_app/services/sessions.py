@@ -75,6 +75,14 @@ def _session_create(
     return session
 
 
+def session_create_in_transaction(
+    *, tenant, agent_config: dict, messages: list[dict] | None, tools: list[dict] | None
+) -> Session:
+    """session_create inside the caller's transaction, without an Idempotency-Key (the caller
+    keeps its own: services.turns.session_open)."""
+    return _session_create(tenant=tenant, agent_config=agent_config, messages=messages, tools=tools, idempotency=None)
+
+
 def _session_for_update(tenant, session_id: str) -> Session:
     session = (
         Session.objects.select_for_update(of=("self",))

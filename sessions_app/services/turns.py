@@ -12,6 +12,7 @@ from hosting.service_errors import BadRequest, Conflict, NotFound
 
 from .. import admission, dispatch, events, idempotency_keys, turn_store
 from ..models import IdempotencyKey, Session, Turn, new_turn_id
+from . import sessions
 from .recovery import finalize_if_lost
 from .validation import (
     answers_for_pending,
@@ -36,6 +37,36 @@ def turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, s
         idempotency,
     )
     return created if created is not None else _replayed_turn(row)
+
+
+def session_open(
+    *,
+    tenant,
+    agent_config: dict,
+    seed: list[dict],
+    tools: list[dict] | None,
+    turn: dict,
+    idempotency: tuple[str, str] | None = None,
+) -> tuple[str, Turn]:
+    """Create a session from `seed` and start its first turn (`turn`: a turn request) in one
+    transaction, so a refused turn leaves no session behind (the v2-era `PUT /session`).
+
+    Returns (session id, turn); a retry with the same `idempotency` key and request gets the
+    same pair back."""
+
+    def create() -> tuple[str, Turn]:
+        with transaction.atomic():
+            row = idempotency_keys.replayed(tenant, idempotency)
+            if row is not None:
+                return row.session_public_id, _replayed_turn(row)
+            session = sessions.session_create_in_transaction(
+                tenant=tenant, agent_config=agent_config, messages=seed, tools=tools
+            )
+            started = _turn_start(tenant=tenant, session_id=session.public_id, data=turn, idempotency=idempotency)
+            return session.public_id, started
+
+    created, row = idempotency_keys.create_once(create, tenant, idempotency)
+    return created if created is not None else (row.session_public_id, _replayed_turn(row))
 
 
 def _replayed_turn(row: IdempotencyKey) -> Turn:

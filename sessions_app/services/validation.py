@@ -119,6 +119,13 @@ def answers_for_pending(pending: list[dict], messages: list[dict]) -> tuple[list
     """Check a turn's messages against the pending calls; returns (tool messages, permissions)."""
     by_id = {call["toolCallId"]: call for call in pending}
     roles = [m["role"] for m in messages]
+    history_only = sorted({role for role in roles if role not in ("user", "tool", "tool_permission")})
+    if history_only:
+        raise BadRequest(
+            "A turn takes one user message, or one answer per pending tool call ('tool' or 'tool_permission'); "
+            f"{' and '.join(repr(role) for role in history_only)} messages only seed the history a session is "
+            "created with.",
+        )
     if not pending:
         if roles != ["user"]:
             ids = [m.get("toolCallId") for m in messages if m["role"] != "user"]

@@ -163,3 +163,12 @@ def test_without_pending_calls_a_turn_is_one_user_message():
     assert answers_for_pending([], [{"role": "user", "content": "hi"}]) == ([], [])
     with pytest.raises(BadRequest, match="Send exactly one user message per turn."):
         answers_for_pending([], [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+@pytest.mark.parametrize("pending", [[], PENDING])
+@pytest.mark.parametrize("role", ["system", "assistant"])
+def test_a_history_message_in_a_turn_is_refused_saying_where_it_belongs(pending, role):
+    """The v2-era surface lets any message role through its shapes; the rule stays one."""
+    messages = [{"role": role, "content": "x"}, {"role": "user", "content": "hi"}]
+    with pytest.raises(BadRequest, match=f"'{role}' messages only seed the history a session is created with"):
+        answers_for_pending(pending, messages)
