@@ -517,7 +517,10 @@ def test_a_stalled_stream_times_out_with_error(fake, demo):
     fake.enqueue(FakeOpenAI.stall(10))
     result = demo.turn(session, text="Hello", stream="delta")
     assert result.stop_reason == "error"
-    assert result.events[-1].data["_meta"]["error"] == "The model provider stopped sending its answer for 1 seconds (timeout)."
+    assert (
+        result.events[-1].data["_meta"]["error"]
+        == "The model provider stopped sending its answer for 1 seconds (timeout)."
+    )
 
 
 def test_an_unreachable_provider_gives_a_connection_error(fake, demo):
