@@ -234,3 +234,12 @@ def test_max_tokens_goes_where_every_compatible_server_reads_it(fake, demo):
     demo.turn(demo.create_session("llm-capped"), user("Hi"))
     body = fake.chat_requests()[-1]["json"]
     assert body["max_tokens"] == 7 and "max_completion_tokens" not in body
+
+
+def test_a_server_that_ignores_stream_is_read_as_one_answer(fake, demo):
+    session = demo.create_session("llm-fails")
+    fake.enqueue(FakeOpenAI.unstreamed("All at once.", usage=(9, 3)))
+    result = demo.turn(session, text="Hello", stream="delta")
+    assert result.stop_reason == "end_turn"
+    assert result.messages == [{"role": "assistant", "content": [{"type": "text", "text": "All at once."}]}]
+    assert result.events[-1].data["_meta"]["usage"] == {"promptTokens": 9, "completionTokens": 3}

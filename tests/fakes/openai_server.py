@@ -67,7 +67,7 @@ ERROR_TYPES = {
 class Reply:
     """One scripted answer; build it with the FakeOpenAI.text/tool_calls/error/stall constructors."""
 
-    kind: str  # text | tool_calls | error | stall | html | garbage | cut | reset | empty
+    kind: str  # text | tool_calls | error | stall | html | garbage | cut | reset | empty | unstreamed
     text: str = ""
     chunks: tuple[str, ...] | None = None
     delay: float = 0.0
@@ -291,6 +291,12 @@ class FakeOpenAI:
         return Reply("reset", text=text)
 
     @staticmethod
+    def unstreamed(text: str, *, usage: tuple[int, int] | None = None) -> Reply:
+        """The text as one JSON chat completion even when the request asked for a stream
+        (servers and proxies that ignore `stream`)."""
+        return Reply("unstreamed", text=text, usage=usage)
+
+    @staticmethod
     def empty() -> Reply:
         """200 text/event-stream with no chunk at all (then [DONE])."""
         return Reply("empty")
@@ -405,7 +411,7 @@ class _Handler(BaseHTTPRequestHandler):
                     {"error": {"message": reply.message, "type": kind, "param": None, "code": code}},
                     reply.headers,
                 )
-            elif body.get("stream"):
+            elif body.get("stream") and reply.kind != "unstreamed":
                 self._stream(reply, body)
             else:
                 self._complete(reply, body)

@@ -328,6 +328,7 @@ class OpenAIRuntime(Runtime):
         answer = json.loads(raw)
         if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
             raise ValueError("a JSON answer that is not a chat completion")
+        reply.chunks += 1
         usage = answer.get("usage")
         if isinstance(usage, dict):
             reply.usage = (_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
@@ -342,14 +343,14 @@ class OpenAIRuntime(Runtime):
 
     def _count(self, turn: Turn, reply: Reply) -> None:
         """Record the call's usage: the provider's report, else an estimate (marked as such) of
-        what was sent and what came back, once the provider had answered at all."""
+        what was sent and what came back, once the model had begun to answer."""
         if reply.usage:
             prompt, completion = reply.usage
             turn.ctx.add_usage(prompt_tokens=prompt, completion_tokens=completion)
             turn.measured = prompt + completion
             return
         turn.measured = None
-        if not reply.opened:
+        if not reply.chunks:  # no answer began (refused, empty, a web page): nothing was generated
             return
         produced = len(reply.text) + len(reply.thinking)
         produced += sum(len(call.name) + len(call.arguments) for call in reply.calls.values())
