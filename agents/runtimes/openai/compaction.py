@@ -24,8 +24,9 @@ def prompt_size(turn: Turn, tools: list[dict]) -> int:
     """Measured from the provider's last report when there is one, estimated otherwise."""
     if turn.measured is not None:
         return turn.measured + estimate_tokens(turn.chat[turn.measured_at :])
-    if turn.chat_tokens is not None:
-        return turn.chat_tokens + (len(json.dumps(tools)) // CHARS_PER_TOKEN if tools else 0)
+    if turn.chat_tokens is not None:  # the history's estimate, and what this turn's loop added since
+        added = estimate_tokens(turn.chat[turn.chat_start :]) if len(turn.chat) > turn.chat_start else 0
+        return turn.chat_tokens + added + (len(json.dumps(tools)) // CHARS_PER_TOKEN if tools else 0)
     return estimate_tokens(turn.chat) + (len(json.dumps(tools)) // CHARS_PER_TOKEN if tools else 0)
 
 

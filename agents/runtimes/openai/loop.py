@@ -179,6 +179,7 @@ class OpenAIRuntime(Runtime):
         limit = int(ctx.config.get("maxModelCalls", DEFAULTS["maxModelCalls"]))
         tools = turn.tools = function_tools(ctx)
         turn.chat, turn.chat_tokens, turn.kept = self._history_chat(ctx)
+        turn.chat_start = len(turn.chat)
         # A forcing tool choice applies to the model's first answer to a user message only.
         forced = bool(ctx.history) and ctx.history[-1].get("role") == "user"
         calls = 0

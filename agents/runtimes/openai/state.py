@@ -65,6 +65,7 @@ class Turn:
     measured: int | None = None  # tokens the provider reported for the last call (prompt + completion)
     measured_at: int = 0  # len(chat) when `measured` was taken
     chat_tokens: int | None = None  # the estimate of `chat` as the turn began (kept with the history's conversion)
+    chat_start: int = 0  # len(chat) when `chat_tokens` was taken
     # (the chat list, start, count, builder): in that list, [start : start + count] are the
     # builder's first `count` messages (the session's kept conversion), whose JSON it keeps.
     # A `chat` rebuilt (a compaction) is another list: the kept JSON no longer applies to it.
