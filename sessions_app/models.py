@@ -102,6 +102,8 @@ class Turn(models.Model):
     prompt_tokens = models.BigIntegerField(default=0)
     completion_tokens = models.BigIntegerField(default=0)
     model_calls = models.PositiveIntegerField(default=0)
+    # Some of the tokens were counted by the runtime: the provider reported no usage.
+    usage_estimated = models.BooleanField(default=False, db_default=False)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

@@ -138,6 +138,7 @@ def _usage_numbers(row: dict) -> dict:
         "promptTokens": row["prompt"] or 0,
         "completionTokens": row["completion"] or 0,
         "modelCalls": row["calls"] or 0,
+        "estimatedTurns": row["estimated"] or 0,
         "turnSeconds": round(seconds.total_seconds(), 3) if seconds else 0.0,
     }
 
@@ -147,7 +148,7 @@ def usage(tenant, *, start, end, group_by: str) -> dict:
     grouped by agent, session or UTC day. Turns of deleted sessions are gone with them."""
     from datetime import UTC
 
-    from django.db.models import Count, DurationField, ExpressionWrapper, F, Sum
+    from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
     from django.db.models.functions import TruncDate
 
     from .models import Turn
@@ -162,6 +163,7 @@ def usage(tenant, *, start, end, group_by: str) -> dict:
         "prompt": Sum("prompt_tokens"),
         "completion": Sum("completion_tokens"),
         "calls": Sum("model_calls"),
+        "estimated": Count("id", filter=Q(usage_estimated=True)),
         "seconds": Sum(ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())),
     }
     turns = Turn.objects.filter(session__tenant=tenant, created_at__gte=start, created_at__lt=end)
@@ -184,7 +186,7 @@ def usage(tenant, *, start, end, group_by: str) -> dict:
 
 def usage_by_tenant(*, start, end) -> list[dict]:
     """Every tenant's turns created in [start, end) (the operator's view in the admin)."""
-    from django.db.models import Count, DurationField, ExpressionWrapper, F, Sum
+    from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 
     from .models import Turn
 
@@ -196,6 +198,7 @@ def usage_by_tenant(*, start, end) -> list[dict]:
             prompt=Sum("prompt_tokens"),
             completion=Sum("completion_tokens"),
             calls=Sum("model_calls"),
+            estimated=Count("id", filter=Q(usage_estimated=True)),
             seconds=Sum(ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())),
         )
         .order_by("tenant")

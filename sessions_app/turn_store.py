@@ -320,6 +320,7 @@ def end_turn(
     completion_tokens: int,
     model_calls: int,
     produced: bool = False,
+    usage_estimated: bool = False,
 ) -> EndedTurn | None:
     """running -> done; None when it was no longer running (declared lost, or deleted).
     The same statement says whether other turns wait for a worker slot (a hint for the worker
@@ -331,7 +332,7 @@ def end_turn(
     with connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE {T} SET status = %s, stop_reason = %s, cancelled = %s, error = %s, finished_at = %s, "
-            f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, partial = '', "
+            f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, usage_estimated = %s, partial = '', "
             f"output_seq = CASE WHEN %s THEN (SELECT message_seq + 1 FROM {S} WHERE id = {T}.session_id) ELSE 0 END "
             f"WHERE id = %s AND status = %s "
             f"RETURNING EXISTS (SELECT 1 FROM {T} w WHERE {waiting('w')})",
@@ -344,6 +345,7 @@ def end_turn(
                 prompt_tokens,
                 completion_tokens,
                 model_calls,
+                usage_estimated,
                 produced,
                 turn_id,
                 Turn.RUNNING,

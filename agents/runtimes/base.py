@@ -105,8 +105,9 @@ class TurnContext(Protocol):
     def set_compacted(self, compaction: Compaction) -> None:
         """Rewrite the compacted history once the turn's messages are appended."""
 
-    def add_usage(self, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
-        """Record token usage of one model call."""
+    def add_usage(self, *, prompt_tokens: int = 0, completion_tokens: int = 0, estimated: bool = False) -> None:
+        """Record token usage of one model call (`estimated`: counted by the runtime, the
+        provider reported none)."""
 
     def set_stop_meta(self, **meta: Any) -> None:
         """Extra `_meta` for this turn's `turn_stop` event (e.g. a safe error sentence)."""

@@ -24,6 +24,8 @@ def _stored_stop(turn: Turn) -> tuple[str, dict]:
         meta["error"] = turn.error
     if turn.model_calls:
         meta["usage"] = {"promptTokens": turn.prompt_tokens, "completionTokens": turn.completion_tokens}
+        if turn.usage_estimated:
+            meta["usage"]["estimated"] = True
     return turn.stop_reason or "error", meta
 
 

@@ -239,6 +239,8 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
         meta = dict(outcome.stop_meta)
         if outcome.model_calls:
             meta["usage"] = {"promptTokens": outcome.prompt_tokens, "completionTokens": outcome.completion_tokens}
+            if outcome.usage_estimated:
+                meta["usage"]["estimated"] = True
         transaction.on_commit(lambda: publish_stop(turn_id, outcome.stop_reason, meta, seq=outcome.last_seq + 1))
     return others_waiting
 
@@ -254,6 +256,7 @@ def _end_turn(turn_id: str, outcome: host.TurnOutcome) -> turn_store.EndedTurn |
         completion_tokens=outcome.completion_tokens,
         model_calls=outcome.model_calls,
         produced=bool(outcome.messages),
+        usage_estimated=outcome.usage_estimated,
     )
 
 

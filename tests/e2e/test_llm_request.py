@@ -14,13 +14,14 @@ from .turns import text_reply
 
 @pytest.fixture(scope="module")
 def model(pg_stack, tmp_path_factory):
-    server = FakeOpenAI().start()
+    server = FakeOpenAI(strict=True).start()
     agent = llm_agent(
         "llm-request",
         server.url,
         config={
             "temperature": 0.5,
             "maxOutputTokens": 64,
+            "maxTokensField": "max_completion_tokens",  # configured: not the default for this server
             "extraBody": {"top_k": 7, "chat_template_kwargs": {"x": [1, 2]}},
         },
     )

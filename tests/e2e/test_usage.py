@@ -45,6 +45,7 @@ def test_usage_matches_the_turns_a_tenant_ran(tenant_client, usage_llm, other):
         "promptTokens": 0,
         "completionTokens": 0,
         "modelCalls": 0,
+        "estimatedTurns": 0,
         "turnSeconds": 0.0,
     }
     echo_a = client.create_session("echo")
@@ -73,6 +74,7 @@ def test_usage_matches_the_turns_a_tenant_ran(tenant_client, usage_llm, other):
         "promptTokens": 150,
         "completionTokens": 27,
         "modelCalls": 2,
+        "estimatedTurns": 0,
         "turnSeconds": 0,
     }
     total = by_agent["total"]

@@ -14,6 +14,16 @@ set) and as one JSON object otherwise. `GET /v1/models` lists one model.
 `disconnects` holds the index (into `requests`) of every streamed reply the client closed
 before its end.
 
+As strict as real servers where they are stricter than OpenAI: with `strict=True` an
+assistant message whose `content` is null is answered 500 (llama-cpp-python's validation
+error); with `report_usage=False` no usage is sent even when asked (llama-cpp-python, many
+proxies); with `window=N` a prompt over about N tokens is refused as llama-cpp-python does
+(400 `context_length_exceeded` when not streamed, an empty 200 stream when streamed).
+Failures a real server or the network in front of it produce: `html` (200 text/html),
+`garbage` (an event stream of non-JSON data), `early_end` (text, then the stream ends without
+a finish reason or `[DONE]`), `cut` (the connection closed mid-body), `reset` (a TCP reset
+mid-body), `empty` (a 200 stream with no chunk), `stall` (a hang) and `error` (any status).
+
 As a process, for benchmarks (prints its URL once ready, serves until SIGTERM / Ctrl-C):
 
     python -m tests.fakes.openai_server --port 0 --tokens 200 --delay-ms 5
@@ -35,6 +45,7 @@ import re
 import select
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -56,7 +67,7 @@ ERROR_TYPES = {
 class Reply:
     """One scripted answer; build it with the FakeOpenAI.text/tool_calls/error/stall constructors."""
 
-    kind: str  # text | tool_calls | error | stall
+    kind: str  # text | tool_calls | error | stall | html | garbage | cut | reset | empty | unstreamed
     text: str = ""
     chunks: tuple[str, ...] | None = None
     delay: float = 0.0
@@ -71,6 +82,7 @@ class Reply:
     seconds: float = 0.0
     headers: dict = field(default_factory=dict)
     stamp: bool = False  # each text chunk is replaced by the time it is sent
+    done: bool = True  # the stream ends with `data: [DONE]`
 
 
 MODEL_SHAPE_RE = re.compile(r"tokens-(\d{1,6})-delay-(\d{1,6}(?:\.\d+)?)")
@@ -122,12 +134,18 @@ class FakeOpenAI:
         default_reply: Reply | None = None,
         record: bool = True,
         by_model: bool = False,
+        strict: bool = False,
+        report_usage: bool = True,
+        window: int | None = None,
     ):
         self.host = host
         self.port = port
         self.default_reply = default_reply or FakeOpenAI.text("ok")
         self.record = record
         self.by_model = by_model
+        self.strict = strict
+        self.report_usage = report_usage
+        self.window = window
         self.requests: list[dict] = []
         self.disconnects: list[int] = []
         self._queue: collections.deque[Reply] = collections.deque()
@@ -248,6 +266,42 @@ class FakeOpenAI:
         return Reply("error", status=status, message=message, headers={**extra, **(headers or {})})
 
     @staticmethod
+    def html(page: str = "<html><body><h1>Welcome</h1>Sign in to continue.</body></html>") -> Reply:
+        """200 text/html: a proxy's or a web server's page where the API should be."""
+        return Reply("html", text=page)
+
+    @staticmethod
+    def garbage() -> Reply:
+        """200 text/event-stream whose data is not JSON."""
+        return Reply("garbage", text="<<not json>>")
+
+    @staticmethod
+    def early_end(text: str) -> Reply:
+        """The text streamed, then the stream ends cleanly with no finish reason and no [DONE]."""
+        return Reply("text", text=text, finish="", done=False)
+
+    @staticmethod
+    def cut(text: str) -> Reply:
+        """The text streamed, then the connection is closed in the middle of the body."""
+        return Reply("cut", text=text)
+
+    @staticmethod
+    def reset(text: str) -> Reply:
+        """The text streamed, then the connection is reset (TCP RST) in the middle of the body."""
+        return Reply("reset", text=text)
+
+    @staticmethod
+    def unstreamed(text: str, *, usage: tuple[int, int] | None = None) -> Reply:
+        """The text as one JSON chat completion even when the request asked for a stream
+        (servers and proxies that ignore `stream`)."""
+        return Reply("unstreamed", text=text, usage=usage)
+
+    @staticmethod
+    def empty() -> Reply:
+        """200 text/event-stream with no chunk at all (then [DONE])."""
+        return Reply("empty")
+
+    @staticmethod
     def stall(seconds: float) -> Reply:
         """Stream the headers and a first chunk, then go quiet for `seconds`, then finish with "ok"."""
         return Reply("stall", text="ok", seconds=seconds)
@@ -342,7 +396,13 @@ class _Handler(BaseHTTPRequestHandler):
         if not path.rstrip("/").endswith("/chat/completions"):
             self._json(404, {"error": {"message": f"No route {path}.", "type": "invalid_request_error"}})
             return
+        refusal = self._refusal(body)
+        if refusal is not None:
+            self._json(*refusal)
+            return
         reply = self.fake._next(body)
+        if self.fake.window is not None and body.get("stream") and self._over_window(body):
+            reply = FakeOpenAI.empty()
         try:
             if reply.kind == "error":
                 kind, code = ERROR_TYPES.get(reply.status, ("server_error" if reply.status >= 500 else "error", None))
@@ -351,13 +411,40 @@ class _Handler(BaseHTTPRequestHandler):
                     {"error": {"message": reply.message, "type": kind, "param": None, "code": code}},
                     reply.headers,
                 )
-            elif body.get("stream"):
+            elif body.get("stream") and reply.kind != "unstreamed":
                 self._stream(reply, body)
             else:
                 self._complete(reply, body)
         except _ClientGone:
             self.fake._gone(index)
             self.close_connection = True
+
+    # --- strictness ----------------------------------------------------------------------------
+
+    def _over_window(self, body: dict) -> bool:
+        prompt = len(json.dumps(body.get("messages", []))) // 4
+        return prompt + int(body.get("max_tokens") or 0) > (self.fake.window or 0)
+
+    def _refusal(self, body: dict) -> tuple[int, dict] | None:
+        """What a strict server refuses before answering: (status, body), or None."""
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if self.fake.strict and isinstance(messages, list):
+            for i, message in enumerate(messages):
+                if isinstance(message, dict) and message.get("role") == "assistant" and message.get("content") is None:
+                    # llama-cpp-python's answer (its pydantic validation of the message union).
+                    text = f"1 validation error: messages.{i}.content: Input should be a valid string"
+                    return 500, {
+                        "error": {"message": text, "type": "internal_server_error", "param": None, "code": None}
+                    }
+        if self.fake.window is not None and not body.get("stream") and self._over_window(body):
+            prompt = len(json.dumps(messages or [])) // 4
+            text = (
+                f"This model's maximum context length is {self.fake.window} tokens. However, you requested "
+                f"{prompt} tokens. Please reduce the length of the messages or completion."
+            )
+            error = {"message": text, "type": "invalid_request_error", "param": "messages"}
+            return 400, {"error": {**error, "code": "context_length_exceeded"}}
+        return None
 
     # --- answers -------------------------------------------------------------------------------
 
@@ -394,10 +481,19 @@ class _Handler(BaseHTTPRequestHandler):
             output = reply.text
         answer = self._base(body, "chat.completion")
         answer["choices"] = [{"index": 0, "message": message, "finish_reason": reply.finish, "logprobs": None}]
-        answer["usage"] = self._usage(reply, body, output)
+        if self.fake.report_usage:
+            answer["usage"] = self._usage(reply, body, output)
         self._json(200, answer)
 
     def _stream(self, reply: Reply, body: dict) -> None:
+        if reply.kind == "html":
+            data = reply.text.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -437,7 +533,26 @@ class _Handler(BaseHTTPRequestHandler):
                 pieces.append({"content": piece})
             output = reply.text
 
-        self._sse(chunk({"role": "assistant", "content": ""}))
+        if reply.kind == "garbage":
+            self._write_chunk(b"data: " + reply.text.encode() + b"\n\n")
+            self._write_chunk(b"")
+            return
+        if reply.kind != "empty":
+            self._sse(chunk({"role": "assistant", "content": ""}))
+        else:
+            pieces = []
+        if reply.kind in ("cut", "reset"):
+            for piece in pieces:
+                self._sse(chunk(piece))
+            self.wfile.flush()
+            if reply.kind == "reset":  # SO_LINGER 0: close() sends RST, not FIN
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            else:  # half a chunk, then FIN: the body is incomplete
+                self.wfile.write(b"40\r\ndata: {")
+                self.wfile.flush()
+            self.close_connection = True
+            self.connection.close()
+            return
         if reply.kind == "stall":
             self._pause(reply.seconds)
         for piece in pieces:
@@ -446,10 +561,13 @@ class _Handler(BaseHTTPRequestHandler):
             if reply.stamp and "content" in piece:
                 piece = {"content": f"{time.time():.6f} "}
             self._sse(chunk(piece))
-        self._sse(chunk({}, reply.finish))
-        if (body.get("stream_options") or {}).get("include_usage"):
-            self._sse({**base, "choices": [], "usage": self._usage(reply, body, output)})
-        self._sse(b"[DONE]")
+        if reply.finish and reply.kind != "empty":
+            self._sse(chunk({}, reply.finish))
+        if (body.get("stream_options") or {}).get("include_usage") and self.fake.report_usage and reply.done:
+            if reply.kind != "empty":
+                self._sse({**base, "choices": [], "usage": self._usage(reply, body, output)})
+        if reply.done:
+            self._sse(b"[DONE]")
         self._write_chunk(b"")
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
+import logging
+import re
 from collections import OrderedDict
 
 import httpx
@@ -14,7 +17,10 @@ from openai.types.chat import ChatCompletion
 from ...netguard import AddressRefused, GuardedTransport, NonPublicAddress, checked_address
 from ..base import AgentError, TurnContext
 
+logger = logging.getLogger("agents.runtimes.openai")
+
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
+OPENAI_HOSTS = ("api.openai.com",)  # OpenAI's own API: the only one sent `max_completion_tokens` by default
 # Sent when the application chose its own base URL without a key: the operator's key never goes there.
 NO_KEY = "unused"
 CLIENTS_KEPT = 64  # SDK clients kept per process (one per endpoint, key, timeout and retries)
@@ -32,17 +38,130 @@ STATUS_KINDS = {
 }
 
 
-def safe_error(exc: BaseException, timeout: float) -> str:
+TOO_LONG = (
+    "The conversation is too long for the model: it does not fit the model's context window even after "
+    "compaction; send a shorter message or start a new session."
+)
+# How servers word a prompt over the context window (OpenAI, vLLM, llama.cpp, Ollama, LiteLLM, ...).
+OVERFLOW_RE = re.compile(
+    r"context[ _-]?(length|window|size)|maximum context|context_length_exceeded|exceeds? the (available )?context"
+    r"|too many tokens|prompt is too long|n_ctx|reduce the length of the messages|input is too long",
+    re.IGNORECASE,
+)
+KEY_RE = re.compile(r"\b(?:sk|pk|rk)-[A-Za-z0-9*._-]{4,}")  # API keys, masked ones too
+NAMED_SECRET_RE = re.compile(
+    r"(?i)\b(bearer|token|api[_-]?key|password|secret)([\"']?\s*[:=]\s*[\"']?|\s+)[^\s\"',}]{6,}"
+)
+LONG_TOKEN_RE = re.compile(r"\b[A-Za-z0-9_-]{32,}\b")  # anything that looks like a credential
+PROVIDER_TEXT_LOGGED = 500  # characters of the provider's error text a log line keeps
+
+
+class StreamFailed(Exception):
+    """A streamed answer that cannot be trusted as complete: what happened, as a safe sentence."""
+
+    def __init__(self, sentence: str, *, status: int | None = None, detail: str = "", overflow: bool = False):
+        super().__init__(sentence)
+        self.sentence = sentence
+        self.status = status
+        self.detail = detail
+        self.overflow = overflow  # an empty answer to a prompt estimated over the context budget
+
+
+class ContextOverflow(Exception):
+    """The prompt did not fit the model's context window (the provider said so, or answered nothing)."""
+
+
+def default_tokens_field(base_url: str) -> str:
+    """`max_completion_tokens` for OpenAI's own API; `max_tokens` (what every compatible server
+    reads, and what OpenAI still accepts for most models) for any other."""
+    host = httpx.URL(base_url).host or ""
+    return "max_completion_tokens" if host in OPENAI_HOSTS else "max_tokens"
+
+
+def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """A provider's text with keys and token-like strings taken out, cut to a log line's length."""
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "[redacted]")
+    text = KEY_RE.sub("[redacted]", text)
+    text = NAMED_SECRET_RE.sub(lambda m: m.group(1) + m.group(2) + "[redacted]", text)
+    text = LONG_TOKEN_RE.sub("[redacted]", text)
+    text = " ".join(text.split())
+    return text if len(text) <= PROVIDER_TEXT_LOGGED else text[:PROVIDER_TEXT_LOGGED] + "..."
+
+
+def provider_text(exc: BaseException) -> str:
+    """The provider's own words about a failure (its error body), unredacted: for logs only."""
+    if isinstance(exc, StreamFailed):
+        return exc.detail
+    if isinstance(exc, openai.APIStatusError):
+        body = exc.body
+        if isinstance(body, dict):
+            error = body.get("error", body)
+            message = error.get("message") if isinstance(error, dict) else error
+            return message if isinstance(message, str) else json.dumps(body)[:2000]
+        try:
+            return exc.response.text[:2000]
+        except Exception:  # a streamed error body that was not read
+            return ""
+    cause = exc.__cause__ or exc.__context__
+    return f"{type(exc).__name__}" + (f" ({type(cause).__name__}: {cause})" if cause else f": {exc}")
+
+
+def status_of(exc: BaseException) -> int | None:
+    if isinstance(exc, openai.APIStatusError):
+        return exc.status_code
+    if isinstance(exc, StreamFailed):
+        return exc.status
+    return None
+
+
+def is_overflow(exc: BaseException) -> bool:
+    """A 400/413/422/500 whose text says the prompt is over the model's context window."""
+    status = status_of(exc)
+    return status in (400, 413, 422, 500) and bool(OVERFLOW_RE.search(provider_text(exc)))
+
+
+def log_failure(
+    ctx: TurnContext, exc: BaseException, sentence: str, *, api_key: str = "", what: str = "model call"
+) -> None:
+    """One line per provider failure: status, the provider's own text (secrets redacted), the ids."""
+    status = status_of(exc)
+    logger.warning(
+        "%s failed for agent %s (tenant %s, session %s, turn %s): %s status=%s provider said: %s",
+        what,
+        ctx.agent_name,
+        ctx.tenant,
+        ctx.session_id,
+        ctx.turn_id,
+        sentence,
+        status if status is not None else "-",
+        redact(provider_text(exc), (api_key,)) or "-",
+        extra={"status": status, "agent": ctx.agent_name},
+    )
+
+
+def safe_error(exc: BaseException, timeout: float, *, streaming: bool = False) -> str:
     """A sentence about a provider failure that is safe to show: status and kind only.
 
     The SDK's own messages are never used: they can carry the provider's text, which may
-    quote part of the API key or the request.
+    quote part of the API key or the request. `streaming`: the provider had started to
+    answer (a broken connection is then not a connection that could not be made).
     """
+    if isinstance(exc, StreamFailed):
+        return exc.sentence
     if isinstance(exc, openai.APITimeoutError):
+        if streaming:
+            return f"The model provider stopped sending its answer for {timeout:g} seconds (timeout)."
         return f"The model provider did not answer within {timeout:g} seconds (timeout)."
     if isinstance(exc, openai.APIConnectionError):
         if isinstance(exc.__cause__, AddressRefused):  # a redirect or a changed DNS answer, refused by the guard
             return "The model provider's address is not a public one; an application may only choose public endpoints."
+        if streaming:
+            return (
+                "The connection to the model provider broke while it was answering; the model's answer ended "
+                "before it finished."
+            )
         return "Could not connect to the model provider (connection error); check the base URL."
     if isinstance(exc, openai.APIStatusError):
         status = exc.status_code
@@ -53,7 +172,7 @@ def safe_error(exc: BaseException, timeout: float) -> str:
     if isinstance(exc, openai.APIError):
         return "The model provider reported an error while answering."
     if isinstance(exc, ValueError):
-        return "The model provider sent a malformed stream."
+        return "The model provider sent a malformed stream (data that is not JSON); the model's answer was not read."
     return "The model client could not be set up; check the agent's options."
 
 

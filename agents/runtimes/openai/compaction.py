@@ -8,7 +8,7 @@ import json
 import openai
 
 from ..base import AgentError
-from .client import chat_completion, safe_error
+from .client import TOO_LONG, chat_completion, is_overflow, log_failure, safe_error
 from .conversion import CHARS_PER_TOKEN, estimate_tokens, to_chat, transcript
 from .state import Turn
 
@@ -24,8 +24,9 @@ def prompt_size(turn: Turn, tools: list[dict]) -> int:
     """Measured from the provider's last report when there is one, estimated otherwise."""
     if turn.measured is not None:
         return turn.measured + estimate_tokens(turn.chat[turn.measured_at :])
-    if turn.chat_tokens is not None:
-        return turn.chat_tokens + (len(json.dumps(tools)) // CHARS_PER_TOKEN if tools else 0)
+    if turn.chat_tokens is not None:  # the history's estimate, and what this turn's loop added since
+        added = estimate_tokens(turn.chat[turn.chat_start :]) if len(turn.chat) > turn.chat_start else 0
+        return turn.chat_tokens + added + (len(json.dumps(tools)) // CHARS_PER_TOKEN if tools else 0)
     return estimate_tokens(turn.chat) + (len(json.dumps(tools)) // CHARS_PER_TOKEN if tools else 0)
 
 
@@ -68,13 +69,21 @@ async def summarize(turn: Turn, messages: list[dict]) -> str:
     try:
         answer = await chat_completion(turn.client, turn.request(prompt, stream=False), stream=False)
     except (openai.OpenAIError, ValueError) as exc:
-        raise AgentError(safe_error(exc, turn.timeout)) from None
-    usage = answer.usage
-    turn.ctx.add_usage(
-        prompt_tokens=usage.prompt_tokens if usage else 0, completion_tokens=usage.completion_tokens if usage else 0
-    )
+        sentence = TOO_LONG if is_overflow(exc) else safe_error(exc, turn.timeout)
+        log_failure(turn.ctx, exc, sentence, api_key=turn.api_key, what="summary call")
+        raise AgentError(sentence) from None
     choice = answer.choices[0] if answer.choices else None
-    return ((choice.message.content if choice else None) or "").strip()
+    summary = ((choice.message.content if choice else None) or "").strip()
+    usage = answer.usage
+    if usage:
+        turn.ctx.add_usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
+    else:  # a server that reports none: the documented estimate, marked as one
+        turn.ctx.add_usage(
+            prompt_tokens=estimate_tokens(prompt),
+            completion_tokens=-(-len(summary) // CHARS_PER_TOKEN),
+            estimated=True,
+        )
+    return summary
 
 
 def is_summary(message: dict) -> bool:

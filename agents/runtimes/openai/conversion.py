@@ -154,7 +154,8 @@ class ChatBuilder:
                 for b in blocks
                 if b.get("type") == "tool_use"
             ]
-            entry: dict = {"role": "assistant", "content": text or None}
+            # "" and not null: servers that validate messages (llama-cpp-python) refuse null content.
+            entry: dict = {"role": "assistant", "content": text}
             if calls:
                 entry["tool_calls"] = calls
                 self.open_calls.extend(call["id"] for call in calls)

@@ -20,9 +20,23 @@ import openai
 from hosting import tracing
 
 from ..base import AgentError, Compaction, Runtime, StopReason, ToolCall, TurnContext, new_tool_call_id
-from .client import DEFAULT_BASE_URL, NO_KEY, Clients, application_chosen, chat_completion, check_endpoint, safe_error
+from .client import (
+    DEFAULT_BASE_URL,
+    NO_KEY,
+    TOO_LONG,
+    Clients,
+    ContextOverflow,
+    StreamFailed,
+    application_chosen,
+    chat_completion,
+    check_endpoint,
+    default_tokens_field,
+    is_overflow,
+    log_failure,
+    safe_error,
+)
 from .compaction import compact, prompt_size
-from .conversion import ChatBuilder, function_tools, parse_arguments, text_of, to_chat
+from .conversion import CHARS_PER_TOKEN, ChatBuilder, function_tools, parse_arguments, text_of, to_chat
 from .state import DEFAULTS, PartialCall, Reply, Turn
 
 HISTORIES_KEPT = 128  # sessions whose converted history a worker process keeps between turns
@@ -30,6 +44,24 @@ HISTORIES_KEPT = 128  # sessions whose converted history a worker process keeps 
 
 def _int(value) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def tool_choice(config: dict, tools: list[dict], *, forced: bool) -> str | dict | None:
+    """The tool_choice of a call offering `tools` (None: send none). Without one, some servers
+    (llama-cpp-python) leave the tools out of the prompt; a forcing choice on every call
+    would never let the model answer, so it applies to the first call after a user message."""
+    choice = str(config.get("toolChoice") or "auto")
+    if choice == "omit" or not tools:
+        return None
+    if choice in ("auto", "none"):
+        return choice
+    if not forced:
+        return "auto"
+    if choice == "required":
+        return choice
+    if any(tool["function"]["name"] == choice for tool in tools):
+        return {"type": "function", "function": {"name": choice}}
+    return "auto"  # a tool this session does not offer
 
 
 def _probes(history: list[dict], length: int) -> tuple:
@@ -52,7 +84,18 @@ class OpenAIRuntime(Runtime):
             "systemPrompt": {"type": "string"},
             "temperature": {"type": "number", "minimum": 0, "maximum": 2},
             "maxOutputTokens": {"type": "integer", "minimum": 1},
-            "maxTokensField": {"enum": ["max_completion_tokens", "max_tokens"]},
+            "maxTokensField": {
+                "enum": ["max_completion_tokens", "max_tokens"],
+                "description": "The request field maxOutputTokens goes in (default: max_completion_tokens for "
+                "OpenAI's own API, max_tokens for any other server).",
+            },
+            "toolChoice": {
+                "type": "string",
+                "minLength": 1,
+                "description": "tool_choice sent with the tools: auto (default), none, required, omit (send no "
+                "tool_choice), or a tool's name to force that tool. A forcing choice (required or a name) applies "
+                "to the first model call after a user message; the loop's later calls send auto.",
+            },
             "contextBudget": {"type": "integer", "minimum": 200},
             "timeoutSeconds": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
             "maxRetries": {"type": "integer", "minimum": 0, "maximum": 10},
@@ -109,6 +152,9 @@ class OpenAIRuntime(Runtime):
             model=model,
             timeout=timeout,
             budget=int(config.get("contextBudget", DEFAULTS["contextBudget"])),
+            tokens_field=config.get("maxTokensField") or default_tokens_field(base_url),
+            retries=int(config.get("maxRetries", DEFAULTS["maxRetries"])),
+            api_key=api_key,
         )
 
     # --- the loop -------------------------------------------------------------------------------
@@ -131,9 +177,13 @@ class OpenAIRuntime(Runtime):
     async def _loop(self, turn: Turn) -> StopReason:
         ctx = turn.ctx
         limit = int(ctx.config.get("maxModelCalls", DEFAULTS["maxModelCalls"]))
-        tools = function_tools(ctx)
+        tools = turn.tools = function_tools(ctx)
         turn.chat, turn.chat_tokens, turn.kept = self._history_chat(ctx)
+        turn.chat_start = len(turn.chat)
+        # A forcing tool choice applies to the model's first answer to a user message only.
+        forced = bool(ctx.history) and ctx.history[-1].get("role") == "user"
         calls = 0
+        overflowed = False
         while True:
             if calls >= limit:
                 ctx.set_stop_meta(modelCallLimit=limit)
@@ -141,7 +191,15 @@ class OpenAIRuntime(Runtime):
             if prompt_size(turn, tools) > turn.budget and await compact(turn):
                 turn.chat = to_chat(ctx, turn.view())
             calls += 1
-            reply = await self._call(turn, tools)
+            try:
+                reply = await self._call(turn, tools, tool_choice(ctx.config, tools, forced=forced and calls == 1))
+            except ContextOverflow:
+                # Compact (again) and ask once more; a prompt that still does not fit is told as such.
+                if overflowed or not await compact(turn):
+                    raise AgentError(TOO_LONG) from None
+                overflowed = True
+                turn.chat = to_chat(ctx, turn.view())
+                continue
             if reply.refused:
                 return "refusal"
             if reply.calls and reply.finish not in ("length", "content_filter"):
@@ -184,34 +242,124 @@ class OpenAIRuntime(Runtime):
         await turn.ctx.emit(event)
 
     @tracing.model_call
-    async def _call(self, turn: Turn, tools: list[dict]) -> Reply:
-        """One streamed model call: deltas are emitted as they come, tool calls joined per index."""
-        reply = Reply()
+    async def _call(self, turn: Turn, tools: list[dict], choice: str | dict | None = None) -> Reply:
+        """One model call, its answer streamed as events; asked again (up to maxRetries) when an
+        answer that cannot be trusted (cut, empty, unreadable) had shown nothing yet.
+
+        Raises ContextOverflow when the prompt is over the model's window, AgentError (a safe
+        sentence, logged once with the provider's own words) for any other failure."""
+        attempt = 0
+        while True:
+            reply = Reply()
+            try:
+                await self._stream(turn, tools, choice, reply)
+            except asyncio.CancelledError:
+                self._count(turn, reply)  # what a cancelled answer used still counts
+                raise
+            except (openai.OpenAIError, ValueError, StreamFailed) as exc:
+                self._count(turn, reply)
+                if is_overflow(exc) or (isinstance(exc, StreamFailed) and exc.overflow):
+                    log_failure(turn.ctx, exc, "the prompt is over the model's context window", api_key=turn.api_key)
+                    raise ContextOverflow from None
+                sentence = safe_error(exc, turn.timeout, streaming=reply.opened)
+                if reply.text or reply.thinking:
+                    sentence += " The text so far is kept."
+                log_failure(turn.ctx, exc, sentence, api_key=turn.api_key)
+                retry = reply.opened and not reply.shown and not isinstance(exc, openai.APITimeoutError)
+                if retry and attempt < turn.retries:
+                    attempt += 1
+                    continue
+                raise AgentError(sentence) from None
+            self._count(turn, reply)
+            return reply
+
+    async def _stream(self, turn: Turn, tools: list[dict], choice: str | dict | None, reply: Reply) -> None:
+        """Stream one answer into `reply`; raises StreamFailed when it is not proven complete (a
+        finish reason), the SDK's errors otherwise."""
         extra: dict = {"stream": True, "stream_options": {"include_usage": True}}
         if tools:
             extra["tools"] = tools
+            if choice is not None:
+                extra["tool_choice"] = choice
         request = turn.chat_body(**extra)
-        try:
-            stream = await chat_completion(turn.client, request, stream=True)
-            # Leaving this block (end, error or the turn's cancellation) closes the upstream stream.
-            async with stream:
+        stream = await chat_completion(turn.client, request, stream=True)
+        reply.opened = True
+        # Leaving this block (end, error or the turn's cancellation) closes the upstream stream.
+        async with stream:
+            kind = stream.response.headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind == "application/json":  # a server that ignores `stream`: one answer in one body
+                await self._absorb_whole(turn, reply, await stream.response.aread())
+            elif kind not in ("text/event-stream", ""):
+                body = (await stream.response.aread())[:300].decode(errors="replace")
+                raise StreamFailed(
+                    f"The model provider answered 200 with {kind}, not an event stream; check the base URL "
+                    "(a web page or a proxy may have answered).",
+                    status=stream.response.status_code,
+                    detail=body,
+                )
+            else:
                 async for chunk in stream:
                     # Plain JSON objects (see chat_completion): read defensively, a server may omit anything.
                     if not isinstance(chunk, dict):
-                        continue
+                        raise ValueError("a stream event that is not a JSON object")
+                    reply.chunks += 1
                     usage = chunk.get("usage")
                     if isinstance(usage, dict):
                         reply.usage = (_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
-                    for choice in chunk.get("choices") or []:
+                    for choice_ in chunk.get("choices") or []:
                         # One choice asked for; some servers omit its index.
-                        if isinstance(choice, dict) and choice.get("index") in (0, None):
-                            await self._absorb(turn, reply, choice)
-        except (openai.OpenAIError, ValueError) as exc:
-            raise AgentError(safe_error(exc, turn.timeout)) from None
-        prompt, completion = reply.usage or (0, 0)
-        turn.ctx.add_usage(prompt_tokens=prompt, completion_tokens=completion)
-        turn.measured = prompt + completion if reply.usage else None
-        return reply
+                        if isinstance(choice_, dict) and choice_.get("index") in (0, None):
+                            await self._absorb(turn, reply, choice_)
+        if reply.finish is None:
+            if not (reply.text or reply.thinking or reply.calls):
+                # Nothing at all: what a server does with a prompt over its window (llama.cpp streams
+                # an empty 200) when the prompt is over the budget; an empty answer otherwise.
+                raise StreamFailed(
+                    "The model provider's answer was empty: the stream ended before the model's answer began.",
+                    overflow=prompt_size(turn, tools) > turn.budget,
+                    detail="an empty stream",
+                )
+            raise StreamFailed(
+                "The model's answer ended before it finished (the stream closed without a finish reason).",
+                detail=f"the stream ended after {reply.chunks} chunks without a finish reason",
+            )
+
+    async def _absorb_whole(self, turn: Turn, reply: Reply, raw: bytes) -> None:
+        """A non-streamed answer (a JSON body) read like a stream of one chunk."""
+        answer = json.loads(raw)
+        if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+            raise ValueError("a JSON answer that is not a chat completion")
+        reply.chunks += 1
+        usage = answer.get("usage")
+        if isinstance(usage, dict):
+            reply.usage = (_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
+        for choice in answer["choices"]:
+            if isinstance(choice, dict) and choice.get("index") in (0, None):
+                message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+                calls = [
+                    {**c, "index": i} for i, c in enumerate(message.get("tool_calls") or []) if isinstance(c, dict)
+                ]
+                delta = {**message, "tool_calls": calls}
+                await self._absorb(turn, reply, {"delta": delta, "finish_reason": choice.get("finish_reason")})
+
+    def _count(self, turn: Turn, reply: Reply) -> None:
+        """Record the call's usage: the provider's report, else an estimate (marked as such) of
+        what was sent and what came back, once the model had begun to answer."""
+        if reply.usage:
+            prompt, completion = reply.usage
+            turn.ctx.add_usage(prompt_tokens=prompt, completion_tokens=completion)
+            turn.measured = prompt + completion
+            return
+        turn.measured = None
+        if not reply.chunks:  # no answer began (refused, empty, a web page): nothing was generated
+            return
+        produced = len(reply.text) + len(reply.thinking)
+        produced += sum(len(call.name) + len(call.arguments) for call in reply.calls.values())
+        turn.ctx.add_usage(
+            prompt_tokens=prompt_size(turn, turn.tools),
+            completion_tokens=-(-produced // CHARS_PER_TOKEN),
+            estimated=True,
+        )
 
     async def _absorb(self, turn: Turn, reply: Reply, choice: dict) -> None:
         if choice.get("finish_reason"):
@@ -222,6 +370,7 @@ class OpenAIRuntime(Runtime):
         # Servers name the reasoning stream differently; some send both with the same text.
         reasoning = delta.get("reasoning_content") or delta.get("reasoning")
         if isinstance(reasoning, str) and reasoning:
+            reply.thinking += reasoning
             await self._emit(turn, {"event": "thinking_delta", "delta": reasoning})
         refusal = delta.get("refusal")
         for piece in (delta.get("content"), refusal):
@@ -284,7 +433,8 @@ class OpenAIRuntime(Runtime):
                 for call in valid
                 if outcomes[call.toolCallId].resolved
             )
-        turn.chat.append({"role": "assistant", "content": reply.text or None, "tool_calls": assistant_calls})
+        # "" and not null: servers that validate messages (llama-cpp-python) refuse null content.
+        turn.chat.append({"role": "assistant", "content": reply.text, "tool_calls": assistant_calls})
         turn.measured_at = len(turn.chat)
         for call in assistant_calls:
             call_id = call["id"]

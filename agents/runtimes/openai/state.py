@@ -17,7 +17,6 @@ DEFAULTS = {
     "maxRetries": 2,
     "maxModelCalls": 10,
     "contextBudget": 60000,
-    "maxTokensField": "max_completion_tokens",
 }
 
 
@@ -36,6 +35,14 @@ class Reply:
     calls: dict[int, PartialCall] = field(default_factory=dict)
     usage: tuple[int, int] | None = None
     refused: bool = False
+    thinking: str = ""
+    opened: bool = False  # the provider answered 200 and its body was being read
+    chunks: int = 0  # stream events received
+
+    @property
+    def shown(self) -> bool:
+        """Deltas of this answer reached the application (asking again would repeat them)."""
+        return bool(self.text or self.thinking)
 
 
 @dataclass
@@ -47,6 +54,10 @@ class Turn:
     model: str
     timeout: float
     budget: int
+    tokens_field: str = "max_tokens"  # the request field maxOutputTokens goes in
+    retries: int = 2  # how often an answer that showed nothing and failed is asked again
+    api_key: str = ""  # redacted from the provider's text in log lines
+    tools: list[dict] = field(default_factory=list)  # the function tools offered
     log: list[dict] = field(default_factory=list)  # the events this runtime caused, to fold like the host
     summary: list[dict] = field(default_factory=list)  # this turn's compaction summary, if any
     dropped: int = 0  # leading messages of the history the summary replaces
@@ -54,6 +65,7 @@ class Turn:
     measured: int | None = None  # tokens the provider reported for the last call (prompt + completion)
     measured_at: int = 0  # len(chat) when `measured` was taken
     chat_tokens: int | None = None  # the estimate of `chat` as the turn began (kept with the history's conversion)
+    chat_start: int = 0  # len(chat) when `chat_tokens` was taken
     # (the chat list, start, count, builder): in that list, [start : start + count] are the
     # builder's first `count` messages (the session's kept conversion), whose JSON it keeps.
     # A `chat` rebuilt (a compaction) is another list: the kept JSON no longer applies to it.
@@ -89,7 +101,7 @@ class Turn:
         if "temperature" in config:
             request["temperature"] = config["temperature"]
         if "maxOutputTokens" in config:
-            request[config.get("maxTokensField", DEFAULTS["maxTokensField"])] = config["maxOutputTokens"]
+            request[self.tokens_field] = config["maxOutputTokens"]
         if config.get("extraBody"):
             request.update(config["extraBody"])
         return request
