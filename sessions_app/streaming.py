@@ -39,6 +39,10 @@ _token_active = on_web_threads(token_is_active)
 _queued_place = on_web_threads(dispatch.queued_place)
 # Yielded by _follow when the stream's API token was revoked (or expired) meanwhile.
 REVOKED = object()
+# Yielded by _follow when the turn ended in PostgreSQL but its stream will never show the end
+# (its events were lost with Redis): the rest can only come from history.
+ENDED = object()
+_rebuilt_ending = on_web_threads(endings.rebuilt_ending)
 REVOKED_SENTENCE = (
     "The API token of this stream was revoked or expired; the turn goes on, re-attach with a valid token."
 )
@@ -69,7 +73,8 @@ async def _follow(turn_id: str, after: int, token_id: int | None = None):
                     if await _recover(turn_id):
                         ended_quietly += 1
                         if ended_quietly > 2:  # its stream has no end any more (wiped, expired)
-                            raise StreamInterrupted("the turn ended but its stream has no turn_stop")
+                            yield ENDED
+                            return
                 else:
                     after = item[0]
                 yield item
@@ -98,12 +103,37 @@ def queued_comment(place: dict) -> bytes:
     return f": queued {dumps(place)}\n\n".encode()
 
 
-async def sse_stream(turn_id: str, after: int = 0, token_id: int | None = None):
+async def _rest_from_history(turn_id: str, cursor: endings.FoldCursor | None, mode: str, after: int):
+    """The stream's frames from event `after` + 1 to its end, rebuilt from history once the
+    turn has ended (pinging meanwhile): for a reader whose live events stopped short or have a
+    hole (lost with Redis), so that what it folds is what history holds. Without a cursor, or
+    when history does not have the shape the reader was shown, the response closes."""
+    if cursor is None:
+        raise StreamInterrupted("the turn's stream lost events this reader had not read")
+    while not await _recover(turn_id):  # it may be lost meanwhile: then it ends `error`
+        yield SSE_PING
+        await asyncio.sleep(LIVENESS_CHECK_SECONDS)
+    ending = await _rebuilt_ending(turn_id, cursor, mode)
+    if ending is None:
+        raise StreamInterrupted("the turn ended but its stream cannot be completed from history")
+    logger.warning("turn %s: its stream lost events; the rest was rebuilt from history", turn_id)
+    for offset, event in enumerate(ending, start=after + 1):
+        yield sse_frame(offset, event)
+
+
+async def sse_stream(turn_id: str, after: int = 0, token_id: int | None = None, mode: str = "delta"):
     last_write = time.monotonic()
     waiting = after <= 1  # until the turn shows it started (a worker took it)
+    # Where the events sent leave the reader, while they are every event from the first: if
+    # the rest is lost with Redis, it is rebuilt from history (endings.rebuilt_ending).
+    cursor: endings.FoldCursor | None = endings.FoldCursor() if after <= 1 else None
     async for item in _follow(turn_id, after, token_id):
         if item is REVOKED:
             yield f": {REVOKED_SENTENCE}\n\n".encode()
+            return
+        if item is ENDED:
+            async for frame in _rest_from_history(turn_id, cursor, mode, after):
+                yield frame
             return
         now = time.monotonic()
         if item is events.QUIET:
@@ -121,6 +151,15 @@ async def sse_stream(turn_id: str, after: int = 0, token_id: int | None = None):
         last_write = now
         seq, event = item
         waiting = waiting and seq <= 1
+        if cursor is not None and seq != after + 1:
+            # A hole (a batch Redis refused, or lost in a restart): the events after it would
+            # fold into a wrong answer. The rest comes from history once the turn has ended.
+            async for frame in _rest_from_history(turn_id, cursor, mode, after):
+                yield frame
+            return
+        if cursor is not None:
+            cursor.feed(event)
+        after = seq
         yield sse_frame(seq, event)
 
 
@@ -143,6 +182,8 @@ async def json_result(turn_id: str, token_id: int | None = None):
             if item is REVOKED:
                 yield dumps({"error": REVOKED_SENTENCE}).encode()
                 return
+            if item is ENDED:
+                raise StreamInterrupted("the turn ended but its stream has no turn_stop")
             if item is events.QUIET:
                 if time.monotonic() - last_write >= settings.AAP_SSE_PING_SECONDS - 0.5:
                     last_write = time.monotonic()
@@ -224,7 +265,7 @@ class TurnStreamHandoff:
     async def _stream(self, handoff: dict, receive, send) -> None:
         turn_id, mode, after, token = handoff["spec"].split(" ")
         token_id = int(token) or None
-        body = json_result(turn_id, token_id) if mode == "none" else sse_stream(turn_id, int(after), token_id)
+        body = json_result(turn_id, token_id) if mode == "none" else sse_stream(turn_id, int(after), token_id, mode)
         body = metrics.relayed(body, mode=mode, after=int(after))
         await send(handoff["start"])
         # An empty chunk makes the server write the head now (Twisted waits for body bytes), so

@@ -60,6 +60,117 @@ def _tells_what_history_keeps(turn: Turn, streamed: list[tuple[int, dict]]) -> b
     return fold(shown) == turn_store.turn_output(turn.id, turn.session_id, turn.output_seq)
 
 
+def _block_events(block: dict, mode: str) -> list[dict]:
+    kind = block.get("type")
+    if kind in ("text", "thinking"):
+        if mode == "delta":
+            return [{"event": f"{kind}_delta", "delta": block[kind]}]
+        return [{"event": kind, kind: block[kind]}]
+    if kind == "tool_use":
+        return [
+            {"event": "tool_call", "toolCallId": block["toolCallId"], "name": block["name"], "input": block["input"]}
+        ]
+    raise ValueError(f"no event stands for a {kind!r} block")
+
+
+def _blocks(message: dict) -> list[dict]:
+    content = message.get("content")
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+
+
+def _message_events(message: dict, mode: str, skip_blocks: int = 0) -> list[dict]:
+    if message.get("role") == "tool":
+        return [{"event": "tool_result", "toolCallId": message["toolCallId"], "content": message["content"]}]
+    if message.get("role") != "assistant":
+        raise ValueError("a turn's output holds assistant and tool messages only")
+    return [event for block in _blocks(message)[skip_blocks:] for event in _block_events(block, mode)]
+
+
+class FoldCursor:
+    """Where a stream's reader stands in what its events fold into (aap.messages.fold), kept
+    without their text: the messages it has whole, and the kind and length of each block of
+    the one still open. A follower keeps one (not the events) to rebuild the rest of a turn
+    whose live events were lost (`rebuilt_ending`)."""
+
+    __slots__ = ("closed", "blocks", "last_delta")
+
+    def __init__(self):
+        self.closed = 0  # messages complete (an assistant message closed by a tool result, tool messages)
+        self.blocks: list[list] | None = None  # [kind, length] per block of the open assistant message
+        self.last_delta: str | None = None
+
+    def feed(self, event: dict) -> None:
+        name = event.get("event")
+        if name in ("text_delta", "thinking_delta", "text", "thinking"):
+            kind = "text" if name.startswith("text") else "thinking"
+            piece = event.get("delta", "") if name.endswith("_delta") else event.get(kind, "")
+            if self.blocks is None:
+                self.blocks = []
+            if name.endswith("_delta") and self.last_delta == kind and self.blocks and self.blocks[-1][0] == kind:
+                self.blocks[-1][1] += len(piece)
+            else:
+                self.blocks.append([kind, len(piece)])
+            self.last_delta = kind if name.endswith("_delta") else None
+        elif name == "tool_call":
+            if self.blocks is None:
+                self.blocks = []
+            self.blocks.append(["tool_use", 0])
+            self.last_delta = None
+        elif name == "tool_result":
+            self.closed += 2 if self.blocks else 1
+            self.blocks, self.last_delta = None, None
+
+
+def _tail(cursor: FoldCursor, stored: list[dict], mode: str) -> list[dict]:
+    """The events that take a reader at `cursor` to `stored` (ValueError when the stored
+    messages do not have the shape the reader was shown)."""
+    shown = cursor.closed + (1 if cursor.blocks else 0)
+    if shown > len(stored):
+        raise ValueError("the reader was shown more messages than history keeps")
+    tail: list[dict] = []
+    if cursor.blocks:
+        message = stored[cursor.closed]
+        target = _blocks(message)
+        if message.get("role") != "assistant" or len(target) < len(cursor.blocks):
+            raise ValueError("the message shown last is not the stored one")
+        for (kind, length), block in zip(cursor.blocks, target):
+            held = block.get(kind, "") if kind != "tool_use" else ""
+            if block.get("type") != kind or len(held) < length:
+                raise ValueError("a block shown is not the stored one")
+        kind, length = cursor.blocks[-1]
+        rest = target[len(cursor.blocks) - 1].get(kind, "") if kind != "tool_use" else ""
+        if len(rest) > length:
+            if mode != "delta" or cursor.last_delta != kind:
+                raise ValueError("only a delta stream shows part of a block")
+            tail.append({"event": f"{kind}_delta", "delta": rest[length:]})
+        tail += _message_events(message, mode, skip_blocks=len(cursor.blocks))
+    for message in stored[shown:]:
+        tail += _message_events(message, mode)
+    return tail
+
+
+def rebuilt_ending(turn_id: str, cursor: FoldCursor, mode: str) -> list[dict] | None:
+    """For a follower whose turn ended in PostgreSQL while its live events stopped short (lost
+    with Redis): the rest of the turn, rebuilt from history, then its `turn_stop` rebuilt from
+    the turn's row (stop reason, error, usage). `cursor`: where the events it sent, every one
+    from the first, left its reader. None when the turn is not over, or the stored output does
+    not have the shape the reader was shown: no ending that folds into history can be told."""
+    turn = Turn.objects.filter(id=turn_id, status=Turn.DONE).first()
+    if turn is None:
+        return None
+    stored = turn_store.turn_output(turn.id, turn.session_id, turn.output_seq)
+    try:
+        tail = _tail(cursor, stored, mode)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        logger.warning("turn %s: what its follower was sent is not the start of its history", turn_id)
+        return None
+    stop_reason, meta = _stored_stop(turn)
+    stop = {"event": "turn_stop", "stopReason": stop_reason}
+    if meta:
+        stop["_meta"] = meta
+    return [*tail, stop]
+
+
 def publish_stop(turn_id: str, stop_reason: str, meta: dict, *, seq: int | None = None) -> None:
     backend = events.backend()
     event = {"event": "turn_stop", "stopReason": stop_reason}

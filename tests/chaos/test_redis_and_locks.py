@@ -186,10 +186,11 @@ def test_full_redis_refuses_new_turns_with_503_and_the_sweep_goes_on(chaos):
     assert history(chaos, lost_on)[-1] == user("lost")[0]
 
 
-def test_streams_under_a_full_redis_never_end_on_a_wrong_answer(chaos):
-    """Redis fills up while 4 turns stream deltas: a stream may close without `turn_stop`
-    (interrupted), but one that ends on a `turn_stop` — live, or re-attached once Redis has
-    room again — folds into exactly what history keeps."""
+def test_streams_under_a_full_redis_end_on_the_answer_history_keeps(chaos):
+    """Redis fills up while 4 turns stream deltas: their workers' last events and their
+    `turn_stop` are refused. Each live stream still ends, once, on a `turn_stop` rebuilt
+    from the stored turn, and what it shows folds into exactly what history keeps; a
+    re-attach once Redis has room again never tells a wrong answer either."""
     chaos.ensure_up()
     db = Database(chaos.pg.url)
     sessions = new_sessions(chaos, 4)
@@ -202,6 +203,8 @@ def test_streams_under_a_full_redis_never_end_on_a_wrong_answer(chaos):
             outcomes = [f.result(timeout=120) for f in streams]
         no_server_errors(outcomes)
         for session, outcome in zip(sessions, outcomes):
+            stops = [e.data for e in outcome.events if e.event == "turn_stop"]
+            assert len(stops) == 1 and stops[0]["stopReason"] == "end_turn", outcome.raw[-400:]
             _never_a_wrong_answer(outcome, history(chaos, session)[1:])
     finally:
         if admin is not None:
