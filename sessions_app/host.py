@@ -385,6 +385,7 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
     """Run one turn (on the runtime loop) and return what services must persist."""
     publisher = _Publisher(plan.turn_id, plan.stream)
     ctx = HostContext(plan, publisher)
+    host_tools.CURRENT_TURN.set(ctx)  # server tools that act per tenant or session read it (MCP)
     runtime = runtime_for(plan.runtime_kind)
     lease = asyncio.create_task(_keep_lease(plan.turn_id))
     task = asyncio.current_task()
