@@ -1,0 +1,66 @@
+"""A real MCP server (the `mcp` SDK's MCPServer) for the tests: stdio by default, streamable
+HTTP with `--http PORT` (on 127.0.0.1, path /mcp).
+
+Tools: `sh` runs a shell command in the server's working directory and answers
+`exit=N` and its output (what a filesystem or shell MCP server could do); `env` answers an
+environment variable; `picture` answers a text and a 1x1 PNG; `fail` answers an error result;
+`crash` exits the process mid-call; `sleep` sleeps (a call to time out or cancel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+
+import mcp_types as types
+from mcp.server.mcpserver import MCPServer
+
+PNG = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+)
+
+server = MCPServer("probe")
+
+
+@server.tool(description="Runs a shell command in the server's working directory.")
+def sh(command: str) -> str:
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60)
+    return f"exit={done.returncode}\n{done.stdout}{done.stderr}"
+
+
+@server.tool(description="The value of an environment variable ('' when unset).")
+def env(name: str) -> str:
+    return os.environ.get(name, "")
+
+
+@server.tool(description="A caption and a tiny picture.")
+def picture() -> list:
+    return [types.TextContent(text="a red dot"), types.ImageContent(data=PNG, mime_type="image/png")]
+
+
+@server.tool(description="Always fails.")
+def fail() -> str:
+    raise ValueError("the probe was asked to fail")
+
+
+@server.tool(description="Exits the server in the middle of the call.")
+def crash() -> str:
+    os._exit(3)
+
+
+@server.tool(description="Sleeps, then answers.")
+async def sleep(seconds: float) -> str:
+    await asyncio.sleep(seconds)
+    return "slept"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--http", type=int, default=None)
+    port = parser.parse_args().http
+    if port is None:
+        server.run()
+    else:
+        server.run("streamable-http", host="127.0.0.1", port=port)
