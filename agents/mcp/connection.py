@@ -26,7 +26,9 @@ from urllib.parse import urlsplit
 import anyio
 import mcp_types as types
 from mcp import ClientSession
+from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
+from mcp_types import CONNECTION_CLOSED
 
 from hosting import logs
 
@@ -241,6 +243,10 @@ class Connection:
             )
         finally:
             self.session = None
+            if self.failure is None and self.process is not None and self.process.process is not None:
+                with contextlib.suppress(TimeoutError):  # its stdout closed: say how it exited
+                    await asyncio.wait_for(asyncio.shield(self.process.process.wait()), 2)
+                await asyncio.sleep(0)
             if self.failure is None:
                 self.failure = self._exit_sentence()
             self._ready.set()
@@ -248,14 +254,19 @@ class Connection:
                 with contextlib.suppress(Exception):
                     await self.process.stop(self.failure or "The MCP server was stopped.", kill=True)
 
+    def _ours(self, sentence: str) -> str:
+        """A sentence of the sandbox's process, about this server."""
+        named = f"The MCP server '{self.server.name}'"
+        return sentence.replace("The agent process", named).replace("The agent", named)
+
     def _why(self, exc: BaseException) -> str:
         if self.process is not None and self.process.failure:
-            return self.process.failure.replace("The agent", "The MCP server")
+            return self._ours(self.process.failure)
         return f"The MCP server '{self.server.name}' failed ({type(exc).__name__})."
 
     def _exit_sentence(self) -> str:
         if self.process is not None and self.process.failure:
-            return self.process.failure
+            return self._ours(self.process.failure)
         if (
             self.process is not None
             and self.process.process is not None
@@ -303,9 +314,13 @@ class Connection:
                     call.cancel()
                     with contextlib.suppress(BaseException):
                         await call
-            if call in done:
+            closed = (
+                call in done and isinstance(call.exception(), MCPError) and call.exception().code == CONNECTION_CLOSED
+            )
+            if call in done and not closed:
                 return call.result()
             if not done:
+                logger.error("MCP server %s did not answer tools/call %s in time", self.label, name)
                 raise McpFailure(
                     f"The MCP server '{self.server.name}' did not answer within {self.server.timeout:g} seconds."
                 )

@@ -130,8 +130,10 @@ def test_an_untrusted_mcp_tool_asks_permission_and_the_model_gets_the_real_resul
     model.clear()
     first = call(model, demo, sid, "time__get_current_time", {"timezone": "Europe/Paris"})
     assert first.stop_reason == "tool_use" and not results(first)
-    call_id = first.tool_calls[0]["toolCallId"]
-    second = demo.turn(sid, messages=[{"role": "tool_permission", "toolCallId": call_id, "granted": True}], stream="delta")
+    call_id = first.tool_calls()[0]["toolCallId"]
+    second = demo.turn(
+        sid, messages=[{"role": "tool_permission", "toolCallId": call_id, "granted": True}], stream="delta"
+    )
     assert second.stop_reason == "end_turn", second.body
     (content,) = results(second)
     answer = json.loads(content if isinstance(content, str) else content[0]["text"])
@@ -143,7 +145,11 @@ def test_a_trusted_mcp_tool_runs_inline(mcp_stack, demo, model):
     sid = session(demo, "time__convert_time")
     model.clear()
     result = call(
-        model, demo, sid, "time__convert_time", {"source_timezone": "UTC", "time": "12:00", "target_timezone": "Asia/Tokyo"}
+        model,
+        demo,
+        sid,
+        "time__convert_time",
+        {"source_timezone": "UTC", "time": "12:00", "target_timezone": "Asia/Tokyo"},
     )
     assert result.stop_reason == "end_turn"
     (content,) = results(result)
