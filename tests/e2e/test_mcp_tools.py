@@ -249,3 +249,53 @@ def test_a_stdio_mcp_server_cannot_reach_postgresql_redis_or_the_service(mcp_sta
     code, output = sh(model, demo, sid, "cat > probe.py <<'EOF'\n" + probe + "EOF\npython probe.py")
     assert code == 0, output
     assert "connected" not in output and output.count("refused") == 3, output
+
+
+# --- an MCP server from the npm registry -----------------------------------------------------
+
+NODE_PREFIX = ROOT / ".venv" / "node"  # `make install-test`: npm install --global --prefix .venv/node
+FILESYSTEM = NODE_PREFIX / "bin" / "mcp-server-filesystem"
+FILESYSTEM_PACKAGE = NODE_PREFIX / "lib" / "node_modules" / "@modelcontextprotocol" / "server-filesystem"
+
+
+@pytest.fixture(scope="module")
+def files_stack(pg_stack, model):
+    if not FILESYSTEM.exists():
+        pytest.skip(
+            "@modelcontextprotocol/server-filesystem is not installed: `make install-test` installs it from "
+            "the npm registry into .venv/node when npm is present"
+        )
+    agent = {
+        "name": "llm-files",
+        "runtime": {
+            "kind": "openai",
+            "config": {
+                "mcpServers": [
+                    {"name": "files", "command": str(FILESYSTEM), "args": ["."], "readPaths": [str(FILESYSTEM_PACKAGE)]}
+                ]
+            },
+        },
+        "options": [
+            {"type": "text", "name": "model", "default": "fake-model"},
+            {"type": "text", "name": "baseUrl", "default": model.url},
+        ],
+        "capabilities": {"stream": {"delta": {}, "none": {}}},
+    }
+    pg_stack.apply_agents([agent])
+    return pg_stack
+
+
+def test_npm_filesystem_server_writes_and_reads_its_own_directory_only(files_stack, demo, model):
+    agent = next(a for a in demo.meta()["agents"] if a["name"] == "llm-files")
+    names = {tool["name"] for tool in agent["tools"]}
+    assert {"files__write_file", "files__read_text_file", "files__list_allowed_directories"} <= names
+    tools = [{"name": name, "trust": True} for name in ("files__write_file", "files__read_text_file")]
+    response = demo.post("/v1/sessions", {"agent": {"name": "llm-files", "tools": tools}})
+    sid = response.json()["sessionId"]
+    wrote = results(call(model, demo, sid, "files__write_file", {"path": "notes.txt", "content": "kept"}))
+    assert wrote[0].startswith("Successfully wrote to ")
+    assert results(call(model, demo, sid, "files__read_text_file", {"path": "notes.txt"})) == ["kept"]
+    assert model_saw(model)[-1] == "kept"
+    # Outside its directory: refused by the server, and by the sandbox had it tried.
+    (outside,) = results(call(model, demo, sid, "files__read_text_file", {"path": "/etc/hostname"}))
+    assert outside.startswith("Error: ") and "denied" in outside.lower(), outside
