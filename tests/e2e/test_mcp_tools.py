@@ -18,7 +18,7 @@ import pytest
 from tests.fakes.openai_server import FakeOpenAI
 from tests.support import ROOT, free_port
 
-from .turns import wait_until
+from .turns import LiveTurn, wait_until
 
 PROBE = str(ROOT / "tests" / "fakes" / "mcp_probe_server.py")
 OPERATOR_TOKEN = "operator-token-" + uuid.uuid4().hex[:8]
@@ -190,6 +190,20 @@ def test_a_crash_or_a_hang_mid_call_is_an_error_result_and_the_turn_goes_on(mcp_
     assert results(result) == ["Error: The MCP server 'probe' did not answer within 8 seconds."]
     # The next call starts a fresh server.
     assert results(call(model, demo, sid, "probe__env", {"name": "PROBE_MODE"})) == ["on"]
+
+
+def test_cancelling_the_turn_cancels_the_mcp_call(mcp_stack, demo, model):
+    sid = session(demo, "probe__sleep")
+    model.enqueue(FakeOpenAI.tool_calls([{"name": "probe__sleep", "arguments": '{"seconds": 6}'}]))
+    live = LiveTurn.turn(mcp_stack, sid, "sleep", stream="delta")
+    live.wait_events(2)  # turn_start, the tool call
+    home = Path(mcp_stack.env["AAP_WORKSPACE_ROOT"], "demo", ".session-homes", sid, "llm-mcp.mcp.probe")
+    wait_until((home / "sleep-started").exists, timeout=30, message="the MCP server runs the call")
+    assert demo.post(f"/v1/sessions/{sid}/turns/{live.turn_id}/cancel").status_code == 202
+    stop = live.wait_end().result().events[-1].data
+    assert stop["stopReason"] == "end_turn" and stop["_meta"]["cancelled"] is True
+    # The server heard notifications/cancelled: its handler was cancelled, long before 6 seconds.
+    wait_until(lambda: (home / "sleep-cancelled").exists(), timeout=4, message="the MCP call was cancelled")
 
 
 # --- the sandbox, from an MCP server ---------------------------------------------------------

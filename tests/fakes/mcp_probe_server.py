@@ -4,7 +4,8 @@ HTTP with `--http PORT` (on 127.0.0.1, path /mcp).
 Tools: `sh` runs a shell command in the server's working directory and answers
 `exit=N` and its output (what a filesystem or shell MCP server could do); `env` answers an
 environment variable; `picture` answers a text and a 1x1 PNG; `fail` answers an error result;
-`crash` exits the process mid-call; `sleep` sleeps (a call to time out or cancel).
+`crash` exits the process mid-call; `sleep` sleeps (a call to time out or cancel; a
+call leaves `sleep-started` in its working directory, a cancelled one `sleep-cancelled`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import asyncio
 import os
 import subprocess
+from pathlib import Path
 
 import mcp_types as types
 from mcp.server.mcpserver import MCPServer
@@ -48,9 +50,14 @@ def crash() -> str:
     os._exit(3)
 
 
-@server.tool(description="Sleeps, then answers.")
+@server.tool(description="Sleeps, then answers (a cancelled call leaves the file sleep-cancelled).")
 async def sleep(seconds: float) -> str:
-    await asyncio.sleep(seconds)
+    Path("sleep-started").write_text("started\n")
+    try:
+        await asyncio.sleep(seconds)
+    except BaseException:
+        Path("sleep-cancelled").write_text("cancelled\n")
+        raise
     return "slept"
 
 

@@ -51,7 +51,9 @@ def test_what_the_schema_cannot_say_is_refused_with_where_and_why(servers, where
 
 def test_the_schema_refuses_bad_names_and_a_value_with_a_prefix():
     assert "mcpServers/0/name" in refusal([{"name": "has space", "command": "x"}])
-    assert "mcpServers/0/env/0" in refusal([{"name": "a", "command": "x", "env": [{"name": "K", "value": "v", "prefix": "p"}]}])
+    assert "mcpServers/0/env/0" in refusal(
+        [{"name": "a", "command": "x", "env": [{"name": "K", "value": "v", "prefix": "p"}]}]
+    )
 
 
 def test_tool_names_are_prefixed_valid_stable_and_never_collide():
@@ -71,7 +73,10 @@ def test_option_values_fill_env_and_headers_and_an_empty_one_is_left_out():
         {"name": "X-Static", "value": "1"},
         {"name": "X-Empty", "option": "unset"},
     ]
-    assert resolve(entries, {"token": "sk-tenant", "unset": ""}) == {"Authorization": "Bearer sk-tenant", "X-Static": "1"}
+    assert resolve(entries, {"token": "sk-tenant", "unset": ""}) == {
+        "Authorization": "Bearer sk-tenant",
+        "X-Static": "1",
+    }
 
 
 def test_an_option_the_agent_does_not_declare_is_refused():
