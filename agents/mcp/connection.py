@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import anyio
 import mcp_types as types
+from django.conf import settings
 from mcp import ClientSession
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
@@ -33,7 +34,7 @@ from mcp_types import CONNECTION_CLOSED
 from hosting import logs
 
 from ..netguard import AddressRefused, GuardedTransport, checked_address
-from ..runtimes.acp_bridge import limits, sandbox
+from ..runtimes.acp_bridge import limits, routing, sandbox
 from ..runtimes.acp_bridge.process import MAX_MESSAGE_BYTES, AgentProcess, ProcessSpec
 from .config import Server
 
@@ -354,7 +355,7 @@ class Pool:
     def __init__(self):
         self._connections: dict[str, Connection] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._reaper: asyncio.Task | None = None
+        self._background: list[asyncio.Task] = []
 
     async def get(self, key: str, make: Callable[[], Connection]) -> Connection:
         self._start_reaper()
@@ -378,8 +379,43 @@ class Pool:
         return list(self._connections.values())
 
     def _start_reaper(self) -> None:
-        if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), context=contextvars.Context())
+        if self._background and not any(task.done() for task in self._background):
+            return
+        for task in self._background:
+            task.cancel()
+        loop = asyncio.get_running_loop()
+        # A fresh context each: no log ids of the turn that happened to start them.
+        self._background = [
+            loop.create_task(self._reap_forever(), context=contextvars.Context()),
+            loop.create_task(self._watch_limits_forever(), context=contextvars.Context()),
+            loop.create_task(routing.listen_deleted(self._on_deleted), context=contextvars.Context()),
+        ]
+
+    def _on_deleted(self, session_id: str) -> None:
+        asyncio.get_running_loop().create_task(self.drop_session(session_id), context=contextvars.Context())
+
+    async def drop_session(self, session_id: str) -> None:
+        """A deleted session's own servers are stopped at once."""
+        for key, connection in list(self._connections.items()):
+            if connection.ids.get("session") == session_id:
+                self._connections.pop(key, None)
+                with logs.log_context(**connection.ids):
+                    await connection.close(kill=True)
+
+    async def _watch_limits_forever(self) -> None:
+        """Each stdio server's unit against its limits, as the ACP runtime watches its agents."""
+        while True:
+            await asyncio.sleep(settings.AAP_SANDBOX_MONITOR_SECONDS)
+            watched = [c.process for c in self._connections.values() if c.alive and c.process is not None]
+            if not watched:
+                continue
+            try:
+                snap = await asyncio.to_thread(limits.snapshot)
+                for process in watched:
+                    with logs.log_context(**process.log_ids()):
+                        await process.check_limits(snap)
+            except Exception as exc:
+                logger.warning("checking MCP servers against their limits failed: %s", type(exc).__name__)
 
     async def _reap_forever(self) -> None:
         while True:

@@ -11,6 +11,7 @@ turn goes on.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import logging
@@ -54,7 +55,7 @@ def _connection_factory(ctx, server):
             directory = f"{ctx.agent_name}.mcp.{server.name}"
             if per_session:
                 home = workspace.session_home(ctx.tenant, ctx.session_id, directory)
-                unit = sandbox.unit_name("mcp", ctx.tenant, f"{ctx.session_id}.{directory}")
+                unit = session_unit(ctx.tenant, ctx.session_id, server.name)
             else:
                 home = workspace.agent_home(ctx.tenant, f"{directory}.{key[:12]}")
                 unit = sandbox.unit_name("mcp", ctx.tenant, f"{directory}.{key[:12]}")
@@ -64,6 +65,34 @@ def _connection_factory(ctx, server):
         )
 
     return key, make
+
+
+def session_unit(tenant: str, session_id: str, server: str) -> str:
+    from ..runtimes.acp_bridge import sandbox
+
+    return sandbox.unit_name("mcp", tenant, f"{session_id}.mcp.{server}")
+
+
+async def session_deleted(*, session_id: str, tenant: str, config: dict) -> None:
+    """A deleted session: its own servers stop (here, and in every worker, told through Redis),
+    its servers' HOMEs are removed and their uids given back."""
+    import asyncio
+
+    from ..mcp.config import servers_of
+    from ..runtimes.acp_bridge import routing, sandbox, workspace
+
+    servers = [server for server in servers_of(config) if server.kind == "stdio"]
+    if not servers:
+        return
+    await pool().drop_session(session_id)
+    with contextlib.suppress(Exception):
+        await routing.announce_deleted(session_id)
+    try:
+        await asyncio.to_thread(workspace.remove_workspace, tenant, session_id)
+        for server in servers:
+            await asyncio.to_thread(sandbox.release_unit, session_unit(tenant, session_id, server.name))
+    except ValueError:  # a tenant or session id that names no directory: nothing was made for it
+        pass
 
 
 def _changed(ctx):

@@ -206,6 +206,20 @@ def test_cancelling_the_turn_cancels_the_mcp_call(mcp_stack, demo, model):
     wait_until(lambda: (home / "sleep-cancelled").exists(), timeout=4, message="the MCP call was cancelled")
 
 
+def test_deleting_a_session_stops_its_own_mcp_server_and_removes_its_home(mcp_stack, demo, model):
+    sid = session(demo, "probe__sh")
+    code, output = sh(model, demo, sid, "echo $PPID; pwd")  # the shell's parent: the server
+    assert code == 0
+    pid, home = output.split()
+    process = Path(f"/proc/{pid}")
+    if process.exists():  # the host's pid (fallback mode); in namespaces mode the unit's own
+        assert b"mcp_probe_server" in (process / "cmdline").read_bytes()
+    assert Path(home).is_dir()
+    assert demo.delete(f"/v1/sessions/{sid}").status_code == 204
+    wait_until(lambda: not Path(home).exists(), timeout=30, message="the server's home was removed")
+    wait_until(lambda: not process.exists(), timeout=30, message="the server was stopped")
+
+
 # --- the sandbox, from an MCP server ---------------------------------------------------------
 
 
