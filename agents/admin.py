@@ -2,6 +2,7 @@ from django.contrib import admin, messages
 from django.db import transaction
 
 from .forms import AgentForm, AgentOptionForm, AgentOptionFormSet, ServerToolForm
+from .mcp import registry
 from .models import Agent, AgentOption, ServerTool
 from .selectors import server_tool_specs
 from .services import mcp_refresh
@@ -52,7 +53,7 @@ class AgentAdmin(admin.ModelAdmin):
     def save_related(self, request, form, formsets, change):
         super().save_related(request, form, formsets, change)
         agent = form.instance
-        if agent.runtime_kind == "openai" and (agent.runtime_config or {}).get("mcpServers"):
+        if registry.hosts_mcp_servers(agent):
             # Listed once the change is committed: the MCP servers' tools as of this revision.
             transaction.on_commit(lambda: self._list_mcp_tools(request, agent.name))
 

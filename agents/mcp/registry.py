@@ -56,9 +56,20 @@ def _taken(agent) -> set[str]:
     return names | {tool.name for tool in agent.server_tools.all()}
 
 
+def hosts_mcp_servers(agent) -> bool:
+    """Whether the agent's runtime takes MCP servers as its server tools (the host runs them).
+    An ACP agent's `mcpServers` are the agent's own (passed in `session/new`), not these."""
+    runtime = agent.runtime
+    return (
+        runtime.host_executes_server_tools
+        and "mcpServers" in runtime.config_schema.get("properties", {})
+        and bool(servers_of(agent.runtime_config))
+    )
+
+
 def tools_for(agent) -> tuple[list[dict], dict]:
     """(tools, problems) of the agent's MCP servers at its current revision."""
-    if not servers_of(agent.runtime_config):
+    if not hosts_mcp_servers(agent):
         return [], {}
     key = revision_key(agent.updated_at)
     cached = _cache.get(agent.pk)
