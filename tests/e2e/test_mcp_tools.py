@@ -192,6 +192,18 @@ def test_a_crash_or_a_hang_mid_call_is_an_error_result_and_the_turn_goes_on(mcp_
     assert results(call(model, demo, sid, "probe__env", {"name": "PROBE_MODE"})) == ["on"]
 
 
+def test_a_server_whose_tool_list_changes_is_listed_again(mcp_stack, demo, model):
+    sid = session(demo, "probe__grow")
+    added = "fresh_" + uuid.uuid4().hex[:6]
+    assert results(call(model, demo, sid, "probe__grow", {"name": added})) == [f"added {added}"]
+    wait_until(lambda: f"probe__{added}" in tools_of(demo), timeout=30, message="the new tool in /meta")
+    # The earlier tools keep their names; the new one is a server tool like the others.
+    assert {"probe__sh", "time__get_current_time"} <= set(tools_of(demo))
+    fresh = session(demo, f"probe__{added}", "probe__grow")
+    call(model, demo, fresh, "probe__grow", {"name": added})  # this session's own server has it too
+    assert results(call(model, demo, fresh, f"probe__{added}", {})) == ["grown"]
+
+
 def test_cancelling_the_turn_cancels_the_mcp_call(mcp_stack, demo, model):
     sid = session(demo, "probe__sleep")
     model.enqueue(FakeOpenAI.tool_calls([{"name": "probe__sleep", "arguments": '{"seconds": 6}'}]))

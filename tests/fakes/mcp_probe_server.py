@@ -4,7 +4,7 @@ HTTP with `--http PORT` (on 127.0.0.1, path /mcp).
 Tools: `sh` runs a shell command in the server's working directory and answers
 `exit=N` and its output (what a filesystem or shell MCP server could do); `env` answers an
 environment variable; `picture` answers a text and a 1x1 PNG; `fail` answers an error result;
-`crash` exits the process mid-call; `sleep` sleeps (a call to time out or cancel; a
+`crash` exits the process mid-call; `grow` adds a tool and sends `notifications/tools/list_changed`; `sleep` sleeps (a call to time out or cancel; a
 call leaves `sleep-started` in its working directory, a cancelled one `sleep-cancelled`).
 """
 
@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 import mcp_types as types
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
 
@@ -59,6 +59,13 @@ async def sleep(seconds: float) -> str:
         Path("sleep-cancelled").write_text("cancelled\n")
         raise
     return "slept"
+
+
+@server.tool(description="Adds a tool of that name (answering 'grown') and tells the client its list changed.")
+async def grow(name: str, ctx: Context) -> str:
+    server.add_tool(lambda: "grown", name=name, description="A tool added while serving.")
+    await ctx.session.send_tool_list_changed()
+    return f"added {name}"
 
 
 if __name__ == "__main__":
