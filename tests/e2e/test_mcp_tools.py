@@ -18,6 +18,7 @@ import pytest
 from tests.fakes.openai_server import FakeOpenAI
 from tests.support import ROOT, free_port
 
+from .test_acp_agent import host_pid
 from .turns import LiveTurn, wait_until
 
 PROBE = str(ROOT / "tests" / "fakes" / "mcp_probe_server.py")
@@ -220,12 +221,12 @@ def test_cancelling_the_turn_cancels_the_mcp_call(mcp_stack, demo, model):
 
 def test_deleting_a_session_stops_its_own_mcp_server_and_removes_its_home(mcp_stack, demo, model):
     sid = session(demo, "probe__sh")
-    code, output = sh(model, demo, sid, "echo $PPID; pwd")  # the shell's parent: the server
-    assert code == 0
-    pid, home = output.split()
-    process = Path(f"/proc/{pid}")
-    if process.exists():  # the host's pid (fallback mode); in namespaces mode the unit's own
-        assert b"mcp_probe_server" in (process / "cmdline").read_bytes()
+    # The shell's parent is the server: its pid in its PID namespace (the host's in the fallback).
+    code, output = sh(model, demo, sid, 'echo "pid=$PPID ns=$(readlink /proc/$PPID/ns/pid)"; pwd')
+    assert code == 0, output
+    said, home = output.splitlines()
+    process = Path(f"/proc/{host_pid(said)}")
+    assert b"mcp_probe_server" in (process / "cmdline").read_bytes()
     assert Path(home).is_dir()
     assert demo.delete(f"/v1/sessions/{sid}").status_code == 204
     wait_until(lambda: not Path(home).exists(), timeout=30, message="the server's home was removed")
