@@ -256,8 +256,12 @@ class Connection:
                     await self.process.stop(self.failure or "The MCP server was stopped.", kill=True)
 
     def _ours(self, sentence: str) -> str:
-        """A sentence of the sandbox's process, about this server."""
+        """A sentence of the sandbox's process, about this server (which has no opt-out)."""
         named = f"The MCP server '{self.server.name}'"
+        sentence = sentence.replace(
+            " An operator can run it unconfined only by setting unsafeWithoutSandbox for this agent.", ""
+        )
+        sentence = sentence.replace("The agent command", f"The command of MCP server '{self.server.name}'")
         return sentence.replace("The agent process", named).replace("The agent", named)
 
     def _why(self, exc: BaseException) -> str:

@@ -205,6 +205,20 @@ def test_a_server_whose_tool_list_changes_is_listed_again(mcp_stack, demo, model
     assert results(call(model, demo, fresh, f"probe__{added}", {})) == ["grown"]
 
 
+def test_a_server_that_will_not_start_is_an_error_result_told_in_the_log(mcp_stack, demo, model):
+    sid = session(demo, "probe__env", probeToken="exit-at-start")
+    result = call(model, demo, sid, "probe__env", {"name": "PROBE_MODE"}, reply="carried on")
+    assert result.stop_reason == "end_turn"
+    (content,) = results(result)
+    assert content.startswith("Error: The MCP server 'probe' ") and "exit code 4" in content, content
+    assert result.messages[-1]["content"][0]["text"] == "carried on"
+    log = mcp_stack.log_dir / f"{mcp_stack.name}-celery.log"
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    told = [line for line in lines if line.get("message", "").startswith("MCP tool env of server probe failed")]
+    assert told and told[-1]["session"] == sid and "Traceback" in told[-1].get("exc_info", ""), told[-1:]
+    assert "exit-at-start" not in log.read_text()  # the option's value is never logged
+
+
 def test_cancelling_the_turn_cancels_the_mcp_call(mcp_stack, demo, model):
     sid = session(demo, "probe__sleep")
     model.enqueue(FakeOpenAI.tool_calls([{"name": "probe__sleep", "arguments": '{"seconds": 6}'}]))

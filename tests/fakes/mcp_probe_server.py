@@ -5,7 +5,7 @@ Tools: `sh` runs a shell command in the server's working directory and answers
 `exit=N` and its output (what a filesystem or shell MCP server could do); `env` answers an
 environment variable; `picture` answers a text and a 1x1 PNG; `fail` answers an error result;
 `crash` exits the process mid-call; `grow` adds a tool and sends `notifications/tools/list_changed`; `sleep` sleeps (a call to time out or cancel; a
-call leaves `sleep-started` in its working directory, a cancelled one `sleep-cancelled`).
+call leaves `sleep-started` in its working directory, a cancelled one `sleep-cancelled`). With PROBE_TOKEN=exit-at-start it exits before serving.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--http", type=int, default=None)
     port = parser.parse_args().http
+    if os.environ.get("PROBE_TOKEN") == "exit-at-start":  # a server that will not start
+        raise SystemExit(4)
     if port is None:
         server.run()
     else:
