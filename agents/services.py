@@ -192,7 +192,7 @@ def mcp_refresh(name: str) -> list[str]:
     from .mcp.config import servers_of
 
     agent = Agent.objects.prefetch_related("options", "server_tools").filter(name=name).first()
-    if agent is None or not registry.hosts_mcp_servers(agent):
+    if agent is None or not agent.enabled or not registry.hosts_mcp_servers(agent):
         return []
     tools, problems = registry.refresh(agent)
     lines = []

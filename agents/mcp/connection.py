@@ -323,6 +323,16 @@ class Connection:
                 call in done and isinstance(call.exception(), MCPError) and call.exception().code == CONNECTION_CLOSED
             )
             if call in done and not closed:
+                failure = call.exception()
+                if failure is not None and not isinstance(failure, MCPError):
+                    logger.error(
+                        "MCP server %s failed tools/call %s: %s",
+                        self.label,
+                        name,
+                        self.redact(logs.describe_failure(failure)),
+                        exc_info=failure,
+                    )
+                    raise McpFailure(f"The MCP server '{self.server.name}' failed ({type(failure).__name__}).")
                 return call.result()
             if not done:
                 logger.error("MCP server %s did not answer tools/call %s in time", self.label, name)

@@ -84,7 +84,8 @@ def mcp_stack(pg_stack, model, http_probe):
         "capabilities": {"stream": {"delta": {}, "none": {}}},
     }
     pg_stack.apply_agents([agent])
-    return pg_stack
+    yield pg_stack
+    pg_stack.apply_agents([{**agent, "enabled": False}])  # out of /meta for the rest of the suite
 
 
 def tools_of(client) -> dict[str, dict]:
@@ -337,7 +338,8 @@ def files_stack(pg_stack, model):
         "capabilities": {"stream": {"delta": {}, "none": {}}},
     }
     pg_stack.apply_agents([agent])
-    return pg_stack
+    yield pg_stack
+    pg_stack.apply_agents([{**agent, "enabled": False}])
 
 
 def test_npm_filesystem_server_writes_and_reads_its_own_directory_only(files_stack, demo, model):
