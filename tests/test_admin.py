@@ -348,3 +348,20 @@ def test_mcp_servers_taking_an_undeclared_option_are_refused_by_the_agent_form(a
     assert response.status_code == 200
     assert "option &#x27;ticketsToken&#x27;, which this agent does not declare" in response.content.decode()
     assert not Agent.objects.filter(name=name).exists()
+
+
+def test_saving_an_agent_with_mcp_servers_in_admin_lists_their_tools(
+    admin_client, db_access, django_capture_on_commit_callbacks
+):
+    from agents.models import Agent, McpToolList
+
+    name = f"t31-mcp-{uuid.uuid4().hex[:6]}"
+    server = {"name": "tickets", "type": "http", "url": "http://127.0.0.1:9/mcp"}
+    data = agent_form(name, option={"type": "text", "name": "note"})
+    data.update(runtime_kind="openai", runtime_config=json.dumps({"model": "gpt-4o-mini", "mcpServers": [server]}))
+    with django_capture_on_commit_callbacks(execute=True):
+        assert admin_client.post("/admin/agents/agent/add/", data).status_code == 302
+    agent = Agent.objects.get(name=name)
+    listed = McpToolList.objects.get(agent=agent)
+    assert listed.revision == agent.updated_at and listed.tools == []
+    assert "loopback" in listed.problems["tickets"]  # a private address the operator did not allow

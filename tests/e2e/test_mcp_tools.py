@@ -71,6 +71,14 @@ def mcp_stack(pg_stack, model, http_probe):
                         "egress": [f"{endpoint.hostname}:{endpoint.port}"],
                         "timeoutSeconds": 8,
                     },
+                    {
+                        "name": "brief",
+                        "command": "python",
+                        "args": [PROBE],
+                        "readPaths": [str(ROOT / "tests" / "fakes")],
+                        "isolation": "tenant",
+                        "idleSeconds": 1,
+                    },
                     {"name": "web", "type": "http", "url": http_probe, "allowPrivateAddresses": True},
                     {"name": "private", "type": "http", "url": http_probe},
                 ],
@@ -246,6 +254,23 @@ def test_deleting_a_session_stops_its_own_mcp_server_and_removes_its_home(mcp_st
     assert demo.delete(f"/v1/sessions/{sid}").status_code == 204
     wait_until(lambda: not Path(home).exists(), timeout=30, message="the server's home was removed")
     wait_until(lambda: not process.exists(), timeout=30, message="the server was stopped")
+
+
+def server_pid(model, client, sid: str, tool: str) -> int:
+    """The host's pid of the server behind `tool` (a probe's `sh`)."""
+    command = 'echo "pid=$PPID ns=$(readlink /proc/$PPID/ns/pid)"'
+    (content,) = results(call(model, client, sid, tool, {"command": command}))
+    return host_pid(content.partition("\n")[2])
+
+
+def test_a_server_is_reused_across_turns_of_its_unit_and_stopped_when_idle(mcp_stack, demo, model):
+    first, second = session(demo, "brief__sh"), session(demo, "brief__sh")
+    pid = server_pid(model, demo, first, "brief__sh")
+    # isolation: tenant — the tenant's sessions with the same option values share one process.
+    assert server_pid(model, demo, second, "brief__sh") == pid
+    wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=30, message="the idle server was stopped")
+    again = server_pid(model, demo, first, "brief__sh")
+    assert again != pid and Path(f"/proc/{again}").exists()
 
 
 # --- the sandbox, from an MCP server ---------------------------------------------------------
