@@ -369,7 +369,7 @@ class Pool:
     def __init__(self):
         self._connections: dict[str, Connection] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._background: list[asyncio.Task] = []
+        self._background: dict[str, asyncio.Task] = {}
 
     async def get(self, key: str, make: Callable[[], Connection]) -> Connection:
         self._start_reaper()
@@ -393,17 +393,17 @@ class Pool:
         return list(self._connections.values())
 
     def _start_reaper(self) -> None:
-        if self._background and not any(task.done() for task in self._background):
-            return
-        for task in self._background:
-            task.cancel()
+        """The pool's background tasks on this loop, each started again only if it ended (the
+        deletes' listener ends at once without Redis: the embedded mode deletes in-process)."""
         loop = asyncio.get_running_loop()
-        # A fresh context each: no log ids of the turn that happened to start them.
-        self._background = [
-            loop.create_task(self._reap_forever(), context=contextvars.Context()),
-            loop.create_task(self._watch_limits_forever(), context=contextvars.Context()),
-            loop.create_task(routing.listen_deleted(self._on_deleted), context=contextvars.Context()),
-        ]
+        jobs = {"reap": self._reap_forever, "limits": self._watch_limits_forever}
+        if "deleted" not in self._background:
+            jobs["deleted"] = lambda: routing.listen_deleted(self._on_deleted)
+        for name, job in jobs.items():
+            task = self._background.get(name)
+            if task is None or (task.done() and name != "deleted"):
+                # A fresh context each: no log ids of the turn that happened to start them.
+                self._background[name] = loop.create_task(job(), context=contextvars.Context())
 
     def _on_deleted(self, session_id: str) -> None:
         asyncio.get_running_loop().create_task(self.drop_session(session_id), context=contextvars.Context())

@@ -74,3 +74,18 @@ def test_an_acp_agents_mcp_servers_are_its_own_not_server_tools(api):
     info = next(agent for agent in api.get("/v1/meta").json()["agents"] if agent["name"] == name)
     assert not [tool for tool in info["tools"] if tool["name"].startswith("docs")]
     assert not McpToolList.objects.filter(agent__name=name).exists()
+
+
+def test_the_example_file_applies(token):
+    from agents.models import Agent
+    from agents.services import agents_apply, load_agents_file
+    from tests.support import ROOT
+
+    agents_apply(load_agents_file(str(ROOT / "examples" / "agents" / "mcp.yaml")))  # rolled back after the test
+    agent = Agent.objects.get(name="mcp-assistant")
+    assert agent.runtime_config["mcpServers"][0] == {
+        "name": "time",
+        "command": "mcp-server-time",
+        "isolation": "tenant",
+        "idleSeconds": 600,
+    }

@@ -381,3 +381,34 @@ def test_npm_filesystem_server_writes_and_reads_its_own_directory_only(files_sta
     # Outside its directory: refused by the server, and by the sandbox had it tried.
     (outside,) = results(call(model, demo, sid, "files__read_text_file", {"path": "/etc/hostname"}))
     assert outside.startswith("Error: ") and "denied" in outside.lower(), outside
+
+
+# --- the embedded mode (`make run` without DATABASE_URL: SQLite, turns in the web process) -----
+
+
+def test_the_embedded_mode_lists_and_calls_mcp_server_time(embedded_stack, model):
+    agent = {
+        "name": "llm-time",
+        "runtime": {"kind": "openai", "config": {"mcpServers": [{"name": "time", "command": "mcp-server-time"}]}},
+        "options": [
+            {"type": "text", "name": "model", "default": "fake-model"},
+            {"type": "text", "name": "baseUrl", "default": model.url},
+        ],
+        "capabilities": {"stream": {"delta": {}, "none": {}}},
+    }
+    embedded_stack.apply_agents([agent])
+    client = embedded_stack.client("demo")
+    try:
+        info = next(a for a in client.meta()["agents"] if a["name"] == "llm-time")
+        assert {"time__get_current_time", "time__convert_time"} <= {tool["name"] for tool in info["tools"]}
+        response = client.post(
+            "/v1/sessions",
+            {"agent": {"name": "llm-time", "tools": [{"name": "time__get_current_time", "trust": True}]}},
+        )
+        sid = response.json()["sessionId"]
+        (content,) = results(call(model, client, sid, "time__get_current_time", {"timezone": "UTC"}))
+        assert json.loads(content)["timezone"] == "UTC"
+        assert client.delete(f"/v1/sessions/{sid}").status_code == 204
+    finally:
+        embedded_stack.apply_agents([{**agent, "enabled": False}])
+        client.close()
