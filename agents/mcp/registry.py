@@ -124,9 +124,25 @@ def _specs(server: Server, listed: list, taken: set[str]) -> list[dict]:
         if tool.title:
             spec["title"] = tool.title
         spec["description"] = tool.description or f"{tool.name} (MCP server '{server.name}')"
-        spec["parameters"] = dict(tool.input_schema or {"type": "object", "properties": {}})
+        spec["parameters"] = _parameters(server, tool)
         specs.append(spec)
     return specs
+
+
+def _parameters(server: Server, tool) -> dict:
+    """The tool's inputSchema as the server tool's parameters; one that is not a valid JSON
+    Schema (the host validates every call's input with it) becomes a plain object schema."""
+    import jsonschema
+
+    schema = dict(tool.input_schema or {"type": "object", "properties": {}})
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError:
+        logger.warning(
+            "MCP server %s: tool %s has an invalid inputSchema; any object is passed", server.name, tool.name
+        )
+        return {"type": "object"}
+    return schema
 
 
 def public_spec(tool: dict) -> dict:
