@@ -236,12 +236,9 @@ class Connection:
         except BaseException as exc:  # the SDK raises exception groups from its task groups
             if self.failure is None:
                 self.failure = self._why(exc)
-            logger.error(
-                "MCP server %s failed: %s",
-                self.label,
-                self.redact(logs.describe_failure(exc)),
-                exc_info=not isinstance(exc, Exception) or None,
-            )
+            # The frames, not the message (logs.describe_failure): a transport's message may
+            # carry what it sent.
+            logger.error("MCP server %s failed: %s", self.label, self.redact(logs.describe_failure(exc)))
         finally:
             self.session = None
             if self.failure is None and self.process is not None and self.process.process is not None:
@@ -330,7 +327,6 @@ class Connection:
                         self.label,
                         name,
                         self.redact(logs.describe_failure(failure)),
-                        exc_info=failure,
                     )
                     raise McpFailure(f"The MCP server '{self.server.name}' failed ({type(failure).__name__}).")
                 return call.result()
