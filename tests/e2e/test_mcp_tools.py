@@ -79,7 +79,13 @@ def mcp_stack(pg_stack, model, http_probe):
                         "isolation": "tenant",
                         "idleSeconds": 1,
                     },
-                    {"name": "web", "type": "http", "url": http_probe, "allowPrivateAddresses": True},
+                    {
+                        "name": "web",
+                        "type": "http",
+                        "url": http_probe,
+                        "allowPrivateAddresses": True,
+                        "headers": [{"name": "X-Probe-Token", "option": "probeToken", "prefix": "token "}],
+                    },
                     {"name": "private", "type": "http", "url": http_probe},
                 ],
             },
@@ -177,6 +183,15 @@ def test_a_tenants_secret_option_reaches_only_its_own_mcp_server(mcp_stack, demo
     plain = session(demo, "probe__env")
     assert results(call(model, demo, plain, "probe__env", {"name": "PROBE_TOKEN"})) == [OPERATOR_TOKEN]
     assert secret not in json.dumps(demo.get(f"/v1/sessions/{mine}").json())
+
+
+def test_a_tenants_secret_option_is_a_header_of_its_own_remote_mcp_session_only(mcp_stack, demo, other, model):
+    secret = "sk-demo-" + uuid.uuid4().hex
+    mine = session(demo, "web__header", probeToken=secret)
+    theirs = session(other, "web__header")
+    assert results(call(model, demo, mine, "web__header", {"name": "x-probe-token"})) == [f"token {secret}"]
+    assert results(call(model, other, theirs, "web__header", {"name": "x-probe-token"})) == [f"token {OPERATOR_TOKEN}"]
+    assert results(call(model, demo, mine, "web__header", {"name": "x-probe-token"})) == [f"token {secret}"]
 
 
 def test_remote_mcp_server_allowed_by_the_operator_answers_text_and_images(mcp_stack, demo, model):
@@ -306,7 +321,13 @@ def test_a_stdio_mcp_server_cannot_read_outside_its_sandbox(mcp_stack, demo, oth
     key.chmod(0o600)
     try:
         mine = session(demo, "probe__sh")
-        code, output = sh(model, demo, mine, f"cat {their_home}/private.txt; cat {key}; cat /etc/shadow; env")
+        code, output = sh(
+            model,
+            demo,
+            mine,
+            f"echo mine-ok > own.txt; cat own.txt; cat {their_home}/private.txt; cat {key}; cat /etc/shadow; env",
+        )
+        assert output.startswith("mine-ok\n")  # the positive control: its own files, in the same command
         assert "their-notes" not in output and key.read_text() not in output and "root:" not in output
         assert output.count("Permission denied") + output.count("No such file or directory") == 3, output
         for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "HOSTING_ENCRYPTION_KEYS"):
@@ -320,7 +341,8 @@ def test_a_stdio_mcp_server_cannot_reach_postgresql_redis_or_the_service(mcp_sta
     web = urlsplit(mcp_stack.base_url)
     targets = [("127.0.0.1", 5432), (redis.hostname, redis.port), (web.hostname, web.port)]
     probe = (
-        "import socket\n"
+        "import socket, urllib.request\n"
+        f"print('egress', urllib.request.urlopen({model.url + '/models'!r}, timeout=10).status)\n"
         "for host, port in [" + ", ".join(f"({h!r}, {p})" for h, p in targets) + "]:\n"
         "    try:\n"
         "        socket.create_connection((host, port), timeout=5).close(); print('connected', port)\n"
@@ -329,6 +351,7 @@ def test_a_stdio_mcp_server_cannot_reach_postgresql_redis_or_the_service(mcp_sta
     sid = session(demo, "probe__sh")
     code, output = sh(model, demo, sid, "cat > probe.py <<'EOF'\n" + probe + "EOF\npython probe.py")
     assert code == 0, output
+    assert output.startswith("egress 200\n"), output  # the positive control: its egress, through its proxy
     assert "connected" not in output and output.count("refused") == 3, output
 
 

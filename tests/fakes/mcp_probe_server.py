@@ -3,7 +3,7 @@ HTTP with `--http PORT` (on 127.0.0.1, path /mcp).
 
 Tools: `sh` runs a shell command in the server's working directory and answers
 `exit=N` and its output (what a filesystem or shell MCP server could do); `env` answers an
-environment variable; `picture` answers a text and a 1x1 PNG; `fail` answers an error result;
+environment variable, `header` a header of the HTTP request; `picture` answers a text and a 1x1 PNG; `fail` answers an error result;
 `crash` exits the process mid-call; `grow` adds a tool and sends `notifications/tools/list_changed`; `sleep` sleeps (a call to time out or cancel; a
 call leaves `sleep-started` in its working directory, a cancelled one `sleep-cancelled`). With PROBE_TOKEN=exit-at-start it exits before serving.
 """
@@ -33,6 +33,12 @@ def sh(command: str) -> str:
 @server.tool(description="The value of an environment variable ('' when unset).")
 def env(name: str) -> str:
     return os.environ.get(name, "")
+
+
+@server.tool(description="The value of a header of the HTTP request carrying this call ('' over stdio).")
+def header(name: str, ctx: Context) -> str:
+    request = ctx.request_context.request
+    return request.headers.get(name, "") if request is not None else ""
 
 
 @server.tool(description="A caption and a tiny picture.")
