@@ -215,6 +215,7 @@ class Connection:
         self._stop.set()
 
     async def _run(self) -> None:
+        crashed: BaseException | None = None
         try:
             if self.process is not None:
                 transport = _stdio(self.process, self._closed)
@@ -234,19 +235,20 @@ class Connection:
             self.failure = f"The MCP server '{self.server.name}' cannot be reached: {exc}"
             logger.error("MCP server %s: %s", self.label, self.failure)
         except BaseException as exc:  # the SDK raises exception groups from its task groups
-            if self.failure is None:
-                self.failure = self._why(exc)
+            crashed = exc
             # The frames, not the message (logs.describe_failure): a transport's message may
             # carry what it sent.
             logger.error("MCP server %s failed: %s", self.label, self.redact(logs.describe_failure(exc)))
         finally:
             self.session = None
+            exited = False
             if self.failure is None and self.process is not None and self.process.process is not None:
-                with contextlib.suppress(TimeoutError):  # its stdout closed: say how it exited
+                with contextlib.suppress(TimeoutError):  # its pipes closed: say how it exited
                     await asyncio.wait_for(asyncio.shield(self.process.process.wait()), 2)
+                    exited = True
                 await asyncio.sleep(0)
             if self.failure is None:
-                self.failure = self._exit_sentence()
+                self.failure = self._why(crashed) if crashed is not None and not exited else self._exit_sentence()
             self._ready.set()
             if self.process is not None:
                 with contextlib.suppress(Exception):
