@@ -77,7 +77,7 @@ def mcp_stack(pg_stack, model, http_probe):
                         "args": [PROBE],
                         "readPaths": [str(ROOT / "tests" / "fakes")],
                         "isolation": "tenant",
-                        "idleSeconds": 1,
+                        "idleSeconds": 4,
                     },
                     {
                         "name": "web",
