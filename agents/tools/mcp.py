@@ -26,7 +26,7 @@ _pool = None
 def pool():
     global _pool
     if _pool is None:
-        from ..mcp.connection import Pool
+        from ..mcp.pool import Pool
 
         _pool = Pool()
         atexit.register(_pool.kill_all)
