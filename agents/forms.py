@@ -20,7 +20,7 @@ from hosting import crypto
 
 from .models import Agent, AgentOption, ServerTool
 from .runtimes import RUNTIME_KINDS, runtime_class
-from .validation import model_source_error
+from .validation import mcp_option_error, model_source_error
 
 # Shown beside the runtime configuration: a working starting point per kind.
 CONFIG_EXAMPLES = {
@@ -200,7 +200,9 @@ class AgentOptionFormSet(forms.BaseInlineFormSet):
             for form in self.forms
             if getattr(form, "cleaned_data", None) and not form.cleaned_data.get("DELETE")
         ]
-        error = model_source_error(self.instance.runtime_kind, self.instance.runtime_config, options)
+        error = model_source_error(
+            self.instance.runtime_kind, self.instance.runtime_config, options
+        ) or mcp_option_error(self.instance.runtime_config, options)
         if error:
             raise ValidationError(error)
 

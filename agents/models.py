@@ -187,3 +187,21 @@ class ServerTool(models.Model):
         spec["description"] = self.description
         spec["parameters"] = self.parameters or {"type": "object", "properties": {}}
         return spec
+
+
+class McpToolList(models.Model):
+    """The tools an agent's MCP servers listed (`tools/list`), as of the agent's revision:
+    read by every process (/meta, sessions, turns) instead of asking the servers again.
+    Listed again when the agent changes (its `updated_at` moves) or a server says its list
+    changed (agents.mcp.registry)."""
+
+    agent = models.OneToOneField(Agent, on_delete=models.CASCADE, primary_key=True, related_name="mcp_tool_list")
+    revision = models.DateTimeField(help_text="The agent's updated_at these tools were listed for.")
+    # [{name, server, tool, title?, description, parameters}]: name is the server tool's name in AAP.
+    tools = models.JSONField(default=list, blank=True)
+    # server name -> why it listed nothing (a safe sentence)
+    problems = models.JSONField(default=dict, blank=True)
+    listed_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"MCP tools of {self.agent_id}"

@@ -13,6 +13,7 @@ from django.db.models import Prefetch
 
 from hosting import crypto
 
+from .mcp import registry
 from .models import Agent, AgentOption, ServerTool
 
 
@@ -46,6 +47,7 @@ def server_tool_specs(agent: Agent | AgentDefinition) -> list[dict]:
         return copy.deepcopy(list(agent.tool_specs))
     specs = list(agent.runtime.builtin_server_tools(agent.runtime_config or {}))
     specs.extend(tool.spec() for tool in agent.server_tools.all() if tool.enabled)
+    specs.extend(registry.public_spec(tool) for tool in registry.tools_for(agent)[0])
     return specs
 
 
@@ -135,6 +137,10 @@ class AgentDefinition:
             server_tools=tuple(
                 ServerToolDefinition(t.name, t.implementation, copy.deepcopy(t.settings or {}))
                 for t in agent.server_tools.all()
+            )
+            + tuple(
+                ServerToolDefinition(t["name"], "mcp", {"server": t["server"], "tool": t["tool"]})
+                for t in registry.tools_for(agent)[0]
             ),
             tool_specs=tuple(server_tool_specs(agent)),
             updated_at=agent.updated_at,

@@ -18,7 +18,7 @@ from hosting.models import Tenant
 
 from .models import Agent, AgentOption, ServerTool
 from .runtimes import RUNTIME_KINDS
-from .validation import model_source_error
+from .validation import mcp_option_error, model_source_error
 
 
 class AgentFileError(Exception):
@@ -133,7 +133,9 @@ def _apply_entry(entry: dict) -> tuple[Agent, bool]:
     from .runtimes import runtime_class
 
     toggles = _capability_toggles(entry, name, runtime_class(kind))
-    problem = model_source_error(kind, runtime.get("config"), entry.get("options") or [])
+    problem = model_source_error(kind, runtime.get("config"), entry.get("options") or []) or mcp_option_error(
+        runtime.get("config"), entry.get("options") or []
+    )
     if problem:
         raise AgentFileError(f"Agent '{name}': {problem}")
     agent = Agent.objects.filter(name=name).first()
@@ -181,6 +183,26 @@ def agents_apply(entries: list[dict], *, prune: bool = False) -> dict:
         report["removed"] = list(stale.values_list("name", flat=True))
         stale.delete()
     return report
+
+
+def mcp_refresh(name: str) -> list[str]:
+    """List the tools of the agent's MCP servers for its current revision (after it changed);
+    one line per server, saying how many tools it listed or why none."""
+    from .mcp import registry
+    from .mcp.config import servers_of
+
+    agent = Agent.objects.prefetch_related("options", "server_tools").filter(name=name).first()
+    if agent is None or not agent.enabled or not registry.hosts_mcp_servers(agent):
+        return []
+    tools, problems = registry.refresh(agent)
+    lines = []
+    for server in servers_of(agent.runtime_config):
+        if server.name in problems:
+            lines.append(f"agent {name}: MCP server {server.name}: {problems[server.name]}")
+        else:
+            count = sum(1 for tool in tools if tool["server"] == server.name)
+            lines.append(f"agent {name}: MCP server {server.name}: {count} tools")
+    return lines
 
 
 def load_agents_file(path: str) -> list[dict]:

@@ -21,3 +21,21 @@ def model_source_error(runtime_kind: str, runtime_config, options: list[dict]) -
         'An openai agent needs a model to call: put "model" in the runtime configuration '
         '(e.g. {"model": "gpt-4o-mini"}) or add a text option named \'model\'.'
     )
+
+
+def mcp_option_error(runtime_config, options: list[dict]) -> str | None:
+    """Why the agent's MCP servers take a value from an option it does not declare, or None."""
+    from .mcp.config import options_named
+
+    config = runtime_config if isinstance(runtime_config, dict) else {}
+    servers = config.get("mcpServers")
+    if not isinstance(servers, list):
+        return None
+    declared = {option.get("name") for option in options if isinstance(option, dict)}
+    missing = sorted(options_named([s for s in servers if isinstance(s, dict)]) - declared)
+    if missing:
+        return (
+            f"The MCP servers take the value of option {', '.join(repr(m) for m in missing)}, which this agent "
+            "does not declare; add it to the agent's options (a secret option for a key)."
+        )
+    return None

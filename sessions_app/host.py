@@ -396,6 +396,7 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
     """Run one turn (on the runtime loop) and return what services must persist."""
     publisher = _Publisher(plan.turn_id, plan.stream)
     ctx = HostContext(plan, publisher)
+    host_tools.CURRENT_TURN.set(ctx)  # server tools that act per tenant or session read it (MCP)
     runtime = runtime_for(plan.runtime_kind)
     task = asyncio.current_task()
     _running[plan.turn_id] = task

@@ -4,6 +4,7 @@ secrets are write-only, API tokens are shown once and stored hashed, the lists r
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import uuid
 
@@ -333,3 +334,34 @@ def test_an_agents_file_with_an_openai_agent_without_a_model_is_refused(db_acces
     assert not Agent.objects.filter(name=name).exists()
     agents_apply([{**entry, "options": [{"type": "text", "name": "model", "default": "gpt-4o-mini"}]}])
     assert Agent.objects.filter(name=name, runtime_kind="openai").exists()
+
+
+def test_mcp_servers_taking_an_undeclared_option_are_refused_by_the_agent_form(admin_client, db_access):
+    from agents.models import Agent
+
+    name = f"t31-mcp-{uuid.uuid4().hex[:6]}"
+    server = {"name": "tickets", "type": "http", "url": "https://mcp.example.com/mcp"}
+    server["headers"] = [{"name": "Authorization", "option": "ticketsToken", "prefix": "Bearer "}]
+    data = agent_form(name, option={"type": "text", "name": "note"})
+    data.update(runtime_kind="openai", runtime_config=json.dumps({"model": "gpt-4o-mini", "mcpServers": [server]}))
+    response = admin_client.post("/admin/agents/agent/add/", data)
+    assert response.status_code == 200
+    assert "option &#x27;ticketsToken&#x27;, which this agent does not declare" in response.content.decode()
+    assert not Agent.objects.filter(name=name).exists()
+
+
+def test_saving_an_agent_with_mcp_servers_in_admin_lists_their_tools(
+    admin_client, db_access, django_capture_on_commit_callbacks
+):
+    from agents.models import Agent, McpToolList
+
+    name = f"t31-mcp-{uuid.uuid4().hex[:6]}"
+    server = {"name": "tickets", "type": "http", "url": "http://127.0.0.1:9/mcp"}
+    data = agent_form(name, option={"type": "text", "name": "note"})
+    data.update(runtime_kind="openai", runtime_config=json.dumps({"model": "gpt-4o-mini", "mcpServers": [server]}))
+    with django_capture_on_commit_callbacks(execute=True):
+        assert admin_client.post("/admin/agents/agent/add/", data).status_code == 302
+    agent = Agent.objects.get(name=name)
+    listed = McpToolList.objects.get(agent=agent)
+    assert listed.revision == agent.updated_at and listed.tools == []
+    assert "loopback" in listed.problems["tickets"]  # a private address the operator did not allow

@@ -7,6 +7,7 @@ and returning the tool result content (a string, or AAP content blocks).
 """
 
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,12 @@ class HostTool:
     run: Callable[[dict, dict], Awaitable[ToolContent]]
     title: str = ""
     settings: dict = field(default_factory=dict)
+    operator: bool = True  # offered to the operator in admin (MCP tools are bound by discovery)
 
+
+# The turn a server tool runs for (the host sets it): tools that act per tenant or session
+# (MCP servers) read its tenant, session, configuration and option values.
+CURRENT_TURN: ContextVar[Any] = ContextVar("aap_current_turn", default=None)
 
 REGISTRY: dict[str, HostTool] = {}
 
@@ -36,7 +42,7 @@ def register(tool: HostTool) -> HostTool:
 
 
 def implementation_choices() -> list[tuple[str, str]]:
-    return [(name, tool.title or name) for name, tool in sorted(REGISTRY.items())]
+    return [(name, tool.title or name) for name, tool in sorted(REGISTRY.items()) if tool.operator]
 
 
 def get(name: str) -> HostTool | None:
@@ -52,4 +58,4 @@ async def run_tool(implementation: str, arguments: Any, settings: dict | None = 
     return await tool.run(arguments, settings or {})
 
 
-from . import builtin, http_fetch  # noqa: E402,F401  (registers the built-in tools)
+from . import builtin, http_fetch, mcp  # noqa: E402,F401  (registers the built-in tools)

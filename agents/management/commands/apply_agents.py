@@ -2,7 +2,7 @@ import json
 
 from django.core.management.base import BaseCommand, CommandError
 
-from agents.services import AgentFileError, load_registry_file, registry_apply
+from agents.services import AgentFileError, load_registry_file, mcp_refresh, registry_apply
 
 
 class Command(BaseCommand):
@@ -22,3 +22,7 @@ class Command(BaseCommand):
         except AgentFileError as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(json.dumps(report))
+        # The agents' MCP servers list their tools now (not at the first /meta or turn).
+        for name in report.get("created", []) + report.get("updated", []):
+            for line in mcp_refresh(name):
+                self.stderr.write(line)

@@ -215,6 +215,9 @@ def _unit_lock(unit: str) -> asyncio.Lock:
 class AgentProcess:
     """One running agent (a child process) and the ACP connection to it."""
 
+    noun = "ACP agent"  # in log lines
+    what = "agent"  # in sentences: "The agent command could not be started"
+
     def __init__(self, spec: ProcessSpec):
         self.spec = spec
         self.sessions: dict[str, AcpSession] = {}  # by ACP session id
@@ -253,62 +256,9 @@ class AgentProcess:
         self.last_used = time.monotonic()
 
     async def start(self) -> None:
-        sandbox.harden_host()
-        env_fd: int | None = None
-        try:
-            argv, env, cwd, env_fd = await self._command()
-        except sandbox.SandboxError as exc:
-            self.failure = str(exc)
-            logger.error("ACP agent %s: %s", self.spec.label, self.failure)
-            await self._close_proxy()
-            raise AgentError(self.failure) from None
-        try:
-            self.process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=env,
-                cwd=cwd,
-                start_new_session=True,
-                limit=STREAM_LIMIT,
-                pass_fds=(env_fd,) if env_fd is not None else (),
-            )
-        except OSError as exc:
-            self.failure = f"The agent command could not be started ({type(exc).__name__})."
-            logger.error("ACP agent %s: %s", self.spec.label, self.failure)
-            await self._close_proxy()
-            raise AgentError(self.failure) from None
-        finally:
-            if env_fd is not None:
-                os.close(env_fd)
-        if self.spec.sandbox is None:
-            logger.warning(
-                "ACP agent %s started WITHOUT A SANDBOX (pid %s, %s): unsafeWithoutSandbox is set; it has "
-                "the worker's reach",
-                self.spec.label,
-                self.process.pid,
-                self.spec.argv[0],
-            )
-        else:
-            logger.info(
-                "ACP agent %s started (pid %s, %s, sandboxed as uid %s)",
-                self.spec.label,
-                self.process.pid,
-                self.spec.argv[0],
-                self.uid if self.uid is not None else os.getuid(),
-            )
-        metrics.acp_process_started()
+        await self.spawn()
         self._output = _AgentOutput(self.process.stdout, self.process.stdin)
         self.conn = acp.connect_to_agent(BridgeClient(self), self._output)
-        loop = asyncio.get_running_loop()
-        # Its own log ids, not those of the turn that happened to start it (a process outlives
-        # that turn and may serve other sessions).
-        unit_context = self.log_context()
-        self._tasks = [
-            loop.create_task(self._drain_stderr(), context=unit_context.copy()),
-            loop.create_task(self._watch(), context=unit_context.copy()),
-        ]
         capabilities = schema.ClientCapabilities(
             fs=schema.FileSystemCapabilities(read_text_file=True, write_text_file=True), terminal=self.spec.terminal
         )
@@ -325,6 +275,65 @@ class AgentProcess:
             await self.stop(self.failure or "The agent did not start.", kill=True)
             raise
         self.capabilities = response.agent_capabilities or schema.AgentCapabilities()
+
+    async def spawn(self) -> None:
+        """Start the process in its sandbox (stdin and stdout piped, stderr kept) and watch it;
+        what it speaks over its pipes is the caller's (ACP here, MCP for agents.mcp)."""
+        sandbox.harden_host()
+        env_fd: int | None = None
+        try:
+            argv, env, cwd, env_fd = await self._command()
+        except sandbox.SandboxError as exc:
+            self.failure = str(exc)
+            logger.error("%s %s: %s", self.noun, self.spec.label, self.failure)
+            await self._close_proxy()
+            raise AgentError(self.failure) from None
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+                limit=STREAM_LIMIT,
+                pass_fds=(env_fd,) if env_fd is not None else (),
+            )
+        except OSError as exc:
+            self.failure = f"The {self.what} command could not be started ({type(exc).__name__})."
+            logger.error("%s %s: %s", self.noun, self.spec.label, self.failure)
+            await self._close_proxy()
+            raise AgentError(self.failure) from None
+        finally:
+            if env_fd is not None:
+                os.close(env_fd)
+        if self.spec.sandbox is None:
+            logger.warning(
+                "%s %s started WITHOUT A SANDBOX (pid %s, %s): unsafeWithoutSandbox is set; it has the worker's reach",
+                self.noun,
+                self.spec.label,
+                self.process.pid,
+                self.spec.argv[0],
+            )
+        else:
+            logger.info(
+                "%s %s started (pid %s, %s, sandboxed as uid %s)",
+                self.noun,
+                self.spec.label,
+                self.process.pid,
+                self.spec.argv[0],
+                self.uid if self.uid is not None else os.getuid(),
+            )
+        metrics.acp_process_started()
+        loop = asyncio.get_running_loop()
+        # Its own log ids, not those of the turn that happened to start it (a process outlives
+        # that turn and may serve other sessions).
+        unit_context = self.log_context()
+        self._tasks = [
+            loop.create_task(self._drain_stderr(), context=unit_context.copy()),
+            loop.create_task(self._watch(), context=unit_context.copy()),
+        ]
 
     async def _command(self) -> tuple[list[str], dict, Path, int | None]:
         """The argv, environment and cwd that start the agent (in its sandbox, unless opted out),
@@ -568,7 +577,8 @@ class AgentProcess:
                 return sentence
         tail = self.spec.redact("\n".join(self._stderr))
         logger.warning(
-            "ACP agent %s (pid %s) exited with code %s; last stderr lines:\n%s",
+            "%s %s (pid %s) exited with code %s; last stderr lines:\n%s",
+            self.noun,
             self.spec.label,
             self.process.pid,
             code,
@@ -598,7 +608,7 @@ class AgentProcess:
         if self.failure is None:
             self.failure = reason
         if self.process is not None and self.process.returncode is None:
-            logger.info("stopping ACP agent %s (pid %s): %s", self.spec.label, self.process.pid, reason)
+            logger.info("stopping %s %s (pid %s): %s", self.noun, self.spec.label, self.process.pid, reason)
         if (self.uid is not None or self.cgroup is not None) and self.spec.sandbox is not None:
             async with _unit_lock(self.spec.sandbox.unit):  # no new process of the unit meanwhile
                 if kill:

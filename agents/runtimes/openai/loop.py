@@ -19,6 +19,9 @@ import openai
 
 from hosting import tracing
 
+from ...mcp.config import MCP_SERVERS_SCHEMA
+from ...mcp.config import check as check_mcp_servers
+from ...tools import mcp as mcp_tools
 from ..base import AgentError, Compaction, Runtime, StopReason, ToolCall, TurnContext, new_tool_call_id
 from .client import (
     DEFAULT_BASE_URL,
@@ -108,9 +111,22 @@ class OpenAIRuntime(Runtime):
                 "description": "Base URLs an application may choose beyond public addresses (e.g. a model "
                 "server on the private network); any other it chooses must be public.",
             },
+            "mcpServers": MCP_SERVERS_SCHEMA,
         },
         "additionalProperties": False,
     }
+
+    @classmethod
+    def validate_config(cls, config) -> dict:
+        config = super().validate_config(config)
+        problem = check_mcp_servers(config.get("mcpServers") or [])
+        if problem is not None:
+            where, sentence = problem
+            raise ValueError(f"Runtime configuration for '{cls.kind}' is invalid at '{where}': {sentence}.")
+        return config
+
+    async def on_session_deleted(self, *, session_id: str, tenant: str, config: dict) -> None:
+        await mcp_tools.session_deleted(session_id=session_id, tenant=tenant, config=config)
 
     def __init__(self):
         self._clients = Clients()

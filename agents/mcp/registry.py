@@ -1,0 +1,217 @@
+"""Discovery: an agent's MCP servers' `tools/list`, as its server tools.
+
+Listed once per agent revision (the agent's `updated_at`, which any change to it, its
+options or its tools moves) and kept in PostgreSQL (McpToolList), with a per-process copy
+keyed on the revision: /meta, session checks and turns read the list, never the servers.
+`refresh` lists again (after `apply_agents` and an admin save; on a revision nobody listed
+yet, whoever needs it first); a server's `notifications/tools/list_changed` stores its new
+list under a new revision of the agent (`store_changed`).
+
+Discovery runs each server with the operator's option defaults (no tenant's values), in a
+sandbox unit of its own, and stops it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import threading
+import time
+from datetime import UTC, datetime
+
+from django.db import transaction
+from django.utils import timezone
+
+from hosting import crypto
+
+from ..runtimes.acp_bridge import sandbox, workspace
+from .config import Server, servers_of, tool_name
+
+logger = logging.getLogger("agents.mcp")
+
+RETRY_SECONDS = 60.0  # a server that could not be listed is tried again after this long
+
+# agent id -> (revision, when read, tools)
+_cache: dict[int, tuple[object, float, list[dict], dict]] = {}
+_lock = threading.Lock()
+
+
+def revision_key(value):
+    if isinstance(value, datetime) and value.tzinfo is not None:
+        return value.astimezone(UTC).replace(tzinfo=None)
+    return value
+
+
+def _defaults(agent) -> dict[str, str]:
+    values = {}
+    for option in agent.options.all():
+        values[option.name] = crypto.decrypt(option.default) if option.is_secret and option.default else option.default
+    return values
+
+
+def _taken(agent) -> set[str]:
+    names = {spec["name"] for spec in agent.runtime.builtin_server_tools(agent.runtime_config or {})}
+    return names | {tool.name for tool in agent.server_tools.all()}
+
+
+def hosts_mcp_servers(agent) -> bool:
+    """Whether the agent's runtime takes MCP servers as its server tools (the host runs them).
+    An ACP agent's `mcpServers` are the agent's own (passed in `session/new`), not these."""
+    runtime = agent.runtime
+    return (
+        runtime.host_executes_server_tools
+        and "mcpServers" in runtime.config_schema.get("properties", {})
+        and bool(servers_of(agent.runtime_config))
+    )
+
+
+def tools_for(agent) -> tuple[list[dict], dict]:
+    """(tools, problems) of the agent's MCP servers at its current revision."""
+    if not hosts_mcp_servers(agent):
+        return [], {}
+    key = revision_key(agent.updated_at)
+    cached = _cache.get(agent.pk)
+    now = time.monotonic()
+    if cached is not None and cached[0] == key and not (cached[3] and now - cached[1] > RETRY_SECONDS):
+        return cached[2], cached[3]
+    from ..models import McpToolList
+
+    row = McpToolList.objects.filter(agent_id=agent.pk).first()
+    stale = row is None or revision_key(row.revision) != key
+    if not stale and row.problems and (timezone.now() - row.listed_at).total_seconds() > RETRY_SECONDS:
+        stale = True
+    tools, problems = refresh(agent) if stale else (row.tools, row.problems)
+    with _lock:
+        _cache[agent.pk] = (key, now, tools, problems)
+    return tools, problems
+
+
+def refresh(agent) -> tuple[list[dict], dict]:
+    """List every MCP server's tools now and store them for the agent's revision."""
+    from ..models import McpToolList
+
+    servers = servers_of(agent.runtime_config)
+    options = _defaults(agent)
+    listed = _run(
+        _discover(agent.name, servers, options), timeout=sum(s.start_timeout + s.timeout for s in servers) + 10
+    )
+    tools: list[dict] = []
+    problems: dict[str, str] = {}
+    taken = _taken(agent)
+    for server in servers:
+        outcome = listed.get(server.name)
+        if isinstance(outcome, str) or outcome is None:
+            problems[server.name] = outcome or f"The MCP server '{server.name}' was not listed in time."
+            continue
+        tools.extend(_specs(server, outcome, taken))
+    if agent.pk is not None:
+        McpToolList.objects.update_or_create(
+            agent_id=agent.pk, defaults={"revision": agent.updated_at, "tools": tools, "problems": problems}
+        )
+    for server, problem in problems.items():
+        logger.warning("MCP server %s/%s listed no tools: %s", agent.name, server, problem)
+    return tools, problems
+
+
+def _specs(server: Server, listed: list, taken: set[str]) -> list[dict]:
+    specs = []
+    for tool in listed:
+        name = tool_name(server.name, tool.name, taken)
+        taken.add(name)
+        spec = {"name": name, "server": server.name, "tool": tool.name}
+        if tool.title:
+            spec["title"] = tool.title
+        spec["description"] = tool.description or f"{tool.name} (MCP server '{server.name}')"
+        spec["parameters"] = _parameters(server, tool)
+        specs.append(spec)
+    return specs
+
+
+def _parameters(server: Server, tool) -> dict:
+    """The tool's inputSchema as the server tool's parameters; one that is not a valid JSON
+    Schema (the host validates every call's input with it) becomes a plain object schema."""
+    import jsonschema
+
+    schema = dict(tool.input_schema or {"type": "object", "properties": {}})
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError:
+        logger.warning(
+            "MCP server %s: tool %s has an invalid inputSchema; any object is passed", server.name, tool.name
+        )
+        return {"type": "object"}
+    return schema
+
+
+def public_spec(tool: dict) -> dict:
+    return {key: value for key, value in tool.items() if key not in ("server", "tool")}
+
+
+def _run(coro, *, timeout: float):
+    """Run `coro` on a loop of its own (callers are synchronous: admin, commands, /meta)."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mcp-discovery") as pool:
+        return pool.submit(asyncio.run, coro).result(timeout)
+
+
+async def _discover(agent_name: str, servers: list[Server], options: dict[str, str]) -> dict:
+    results = await asyncio.gather(*(_list(agent_name, server, options) for server in servers))
+    return {server.name: result for server, result in zip(servers, results)}
+
+
+async def _list(agent_name: str, server: Server, options: dict[str, str]):
+    from .config import resolve
+    from .connection import Connection, McpFailure, process_spec
+
+    label = f"{agent_name}/discovery/{server.name}"
+    env = resolve(server.raw.get("env"), options)
+    headers = resolve(server.raw.get("headers"), options)
+    spec = None
+    if server.kind == "stdio":
+        key = hashlib.sha256(f"discovery\0{agent_name}\0{server.fingerprint()}".encode()).hexdigest()
+        spec = process_spec(
+            server,
+            key=key,
+            label=label,
+            unit=sandbox.unit_name("mcp-discovery", agent_name, server.name),
+            home=workspace.root() / ".mcp-discovery" / agent_name / server.name,
+            env=env,
+        )
+    connection = Connection(
+        server,
+        label,
+        {"tenant": None, "session": None},
+        spec=spec,
+        headers=headers,
+        secrets=(*env.values(), *headers.values()),
+    )
+    try:
+        await connection.start()
+        return await connection.list_tools()
+    except McpFailure as exc:
+        return str(exc)
+    except Exception as exc:
+        logger.exception("listing the tools of MCP server %s failed", label)
+        return f"The MCP server '{server.name}' could not be listed ({type(exc).__name__})."
+    finally:
+        await connection.close(kill=True)
+
+
+def store_changed(agent_name: str, server: Server, listed: list) -> None:
+    """A server's list changed (notifications/tools/list_changed): store it under a new
+    revision of the agent, so every process reads the new tools on its next turn or /meta."""
+    from ..models import Agent, McpToolList
+
+    with transaction.atomic():
+        agent = Agent.objects.select_for_update().filter(name=agent_name).first()
+        row = McpToolList.objects.filter(agent_id=agent.pk).first() if agent else None
+        if agent is None or row is None or revision_key(row.revision) != revision_key(agent.updated_at):
+            return
+        taken = _taken(agent) | {t["name"] for t in row.tools if t["server"] != server.name}
+        tools = [t for t in row.tools if t["server"] != server.name] + _specs(server, listed, taken)
+        Agent.objects.filter(pk=agent.pk).update(updated_at=timezone.now())
+        agent.refresh_from_db(fields=["updated_at"])
+        row.revision, row.tools = agent.updated_at, tools
+        row.save()
+    logger.info("MCP server %s/%s changed its tools; %d listed", agent_name, server.name, len(listed))

@@ -1,0 +1,91 @@
+"""An agent's MCP servers in the registry: refused when they take an undeclared option, and
+their tools listed once per revision of the agent (what /meta shows), kept in PostgreSQL.
+The servers themselves run in tests/e2e/test_mcp_tools.py; here a remote server on a private
+address is refused by the network guard before anything is sent."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+REMOTE = {"name": "tickets", "type": "http", "url": "http://127.0.0.1:9/mcp"}
+
+
+def entry(name: str, servers: list[dict], options: list[dict] | None = None) -> dict:
+    return {
+        "name": name,
+        "runtime": {"kind": "openai", "config": {"model": "gpt-4o-mini", "mcpServers": servers}},
+        "options": options or [],
+    }
+
+
+def test_an_mcp_server_taking_an_undeclared_option_is_refused(token):
+    from agents.models import Agent
+    from agents.services import AgentFileError, agents_apply
+
+    name = f"mcp-{uuid.uuid4().hex[:6]}"
+    server = {**REMOTE, "headers": [{"name": "Authorization", "option": "ticketsToken", "prefix": "Bearer "}]}
+    with pytest.raises(AgentFileError, match="option 'ticketsToken', which this agent does not declare"):
+        agents_apply([entry(name, [server])])
+    assert not Agent.objects.filter(name=name).exists()
+    agents_apply([entry(name, [server], [{"type": "secret", "name": "ticketsToken"}])])
+    assert Agent.objects.filter(name=name).exists()
+
+
+def test_a_bad_server_is_refused_with_where_and_why(token):
+    from agents.services import AgentFileError, agents_apply
+
+    with pytest.raises(AgentFileError, match="mcpServers/0/url"):
+        agents_apply([entry(f"mcp-{uuid.uuid4().hex[:6]}", [{**REMOTE, "url": "file:///etc/passwd"}])])
+
+
+def test_a_private_remote_server_lists_nothing_and_says_why_once_per_revision(api):
+    from agents.models import Agent, McpToolList
+    from agents.services import agents_apply, mcp_refresh
+
+    name = f"mcp-{uuid.uuid4().hex[:6]}"
+    agents_apply([entry(name, [REMOTE])])
+    (line,) = mcp_refresh(name)
+    assert line.startswith(f"agent {name}: MCP server tickets: The MCP server 'tickets' cannot be reached: Refusing")
+    row = McpToolList.objects.get(agent__name=name)
+    assert row.tools == [] and "loopback" in row.problems["tickets"]
+    assert row.revision == Agent.objects.get(name=name).updated_at
+    meta = api.get("/v1/meta").json()
+    info = next(agent for agent in meta["agents"] if agent["name"] == name)
+    assert "tools" not in info
+    # The same revision is read, not listed again; a change to the agent lists again.
+    listed = row.listed_at
+    api.get("/v1/meta")
+    assert McpToolList.objects.get(agent__name=name).listed_at == listed
+    agents_apply([{**entry(name, [REMOTE]), "description": "changed"}])
+    api.get("/v1/meta")
+    changed = McpToolList.objects.get(agent__name=name)
+    assert changed.listed_at > listed and changed.revision == Agent.objects.get(name=name).updated_at
+
+
+def test_an_acp_agents_mcp_servers_are_its_own_not_server_tools(api):
+    from agents.models import McpToolList
+    from agents.services import agents_apply
+
+    name = f"acp-{uuid.uuid4().hex[:6]}"
+    config = {"command": ["/bin/true"], "mcpServers": [{"name": "docs", "command": "/bin/true", "args": [], "env": []}]}
+    agents_apply([{"name": name, "runtime": {"kind": "acp", "config": config}}])
+    info = next(agent for agent in api.get("/v1/meta").json()["agents"] if agent["name"] == name)
+    assert not [tool for tool in info["tools"] if tool["name"].startswith("docs")]
+    assert not McpToolList.objects.filter(agent__name=name).exists()
+
+
+def test_the_example_file_applies(token):
+    from agents.models import Agent
+    from agents.services import agents_apply, load_agents_file
+    from tests.support import ROOT
+
+    agents_apply(load_agents_file(str(ROOT / "examples" / "agents" / "mcp.yaml")))  # rolled back after the test
+    agent = Agent.objects.get(name="mcp-assistant")
+    assert agent.runtime_config["mcpServers"][0] == {
+        "name": "time",
+        "command": "mcp-server-time",
+        "isolation": "tenant",
+        "idleSeconds": 600,
+    }
