@@ -1,8 +1,8 @@
 from django.contrib import admin, messages
 from django.db import transaction
 
+from . import mcp_registry as registry
 from .forms import AgentForm, AgentOptionForm, AgentOptionFormSet, ServerToolForm
-from .mcp import registry
 from .models import Agent, AgentOption, ServerTool
 from .selectors import server_tool_specs
 from .services import mcp_refresh

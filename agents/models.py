@@ -193,7 +193,7 @@ class McpToolList(models.Model):
     """The tools an agent's MCP servers listed (`tools/list`), as of the agent's revision:
     read by every process (/meta, sessions, turns) instead of asking the servers again.
     Listed again when the agent changes (its `updated_at` moves) or a server says its list
-    changed (agents.mcp.registry)."""
+    changed (agents.mcp_registry)."""
 
     agent = models.OneToOneField(Agent, on_delete=models.CASCADE, primary_key=True, related_name="mcp_tool_list")
     revision = models.DateTimeField(help_text="The agent's updated_at these tools were listed for.")

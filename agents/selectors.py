@@ -13,7 +13,7 @@ from django.db.models import Prefetch
 
 from hosting import crypto
 
-from .mcp import registry
+from . import mcp_registry as registry
 from .models import Agent, AgentOption, ServerTool
 
 

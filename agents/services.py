@@ -188,8 +188,8 @@ def agents_apply(entries: list[dict], *, prune: bool = False) -> dict:
 def mcp_refresh(name: str) -> list[str]:
     """List the tools of the agent's MCP servers for its current revision (after it changed);
     one line per server, saying how many tools it listed or why none."""
-    from .mcp import registry
-    from .mcp.config import servers_of
+    from . import mcp_registry as registry
+    from .runtimes.mcp_config import servers_of
 
     agent = Agent.objects.prefetch_related("options", "server_tools").filter(name=name).first()
     if agent is None or not agent.enabled or not registry.hosts_mcp_servers(agent):

@@ -25,7 +25,7 @@ def model_source_error(runtime_kind: str, runtime_config, options: list[dict]) -
 
 def mcp_option_error(runtime_config, options: list[dict]) -> str | None:
     """Why the agent's MCP servers take a value from an option it does not declare, or None."""
-    from .mcp.config import options_named
+    from .runtimes.mcp_config import options_named
 
     config = runtime_config if isinstance(runtime_config, dict) else {}
     servers = config.get("mcpServers")

@@ -28,7 +28,7 @@ from django.db import close_old_connections, connection
 from django.utils import timezone
 
 from hosting import tracing
-from hosting.logs import log_context
+from hosting.logs import describe_failure, log_context
 
 from . import dispatch, liveness, schedule_store, turn_store
 from .services import execution, recovery
@@ -57,8 +57,8 @@ class Worker:
         """Say now that this worker's slots are there, then keep saying it and sweeping."""
         try:
             self.round()
-        except Exception:
-            logger.warning("the worker's heartbeat could not be written", exc_info=True)
+        except Exception as exc:
+            logger.warning("the worker's heartbeat could not be written: %s", describe_failure(exc))
         finally:
             connection.close()
         for name, target in (("aap-worker-beat", self._beat_forever), ("aap-sweep", self._sweep_forever)):
@@ -88,8 +88,8 @@ class Worker:
         while not self._stopped.wait(liveness.interval()):
             try:
                 self.round()
-            except Exception:
-                logger.warning("the worker's heartbeat could not be written", exc_info=True)
+            except Exception as exc:
+                logger.warning("the worker's heartbeat could not be written: %s", describe_failure(exc))
             finally:
                 connection.close()
 
@@ -99,8 +99,8 @@ class Worker:
         while not self._stopped.wait(SWEEP_SECONDS):
             try:
                 recovery.sweep_unless_running()
-            except Exception:  # PostgreSQL restarting: the next round tries again
-                logger.warning("the sweep for lost turns failed", exc_info=True)
+            except Exception as exc:  # PostgreSQL restarting: the next round tries again
+                logger.warning("the sweep for lost turns failed: %s", describe_failure(exc))
             finally:
                 connection.close()
 
@@ -204,8 +204,8 @@ def take_next() -> tuple[str, turn_store.ClaimedTurn] | None:
             return taken
         if len(order) < _PICKS:
             return None  # every waiting turn was taken meanwhile
-    except Exception:
-        logger.warning("waiting turns could not be dispatched now", exc_info=True)
+    except Exception as exc:
+        logger.warning("waiting turns could not be dispatched now: %s", describe_failure(exc))
         return None
     dispatch.dispatch_next(wait=False)  # contended: the chooser settles it, unless one is at work already
     return None

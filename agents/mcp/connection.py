@@ -35,7 +35,7 @@ from hosting import logs
 from ..netguard import AddressRefused, GuardedTransport, checked_address
 from ..runtimes.acp_bridge import limits, sandbox
 from ..runtimes.acp_bridge.process import MAX_MESSAGE_BYTES, AgentProcess, ProcessSpec
-from .config import Server
+from ..runtimes.mcp_config import Server
 
 logger = logging.getLogger("agents.mcp")
 

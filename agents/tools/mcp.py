@@ -35,9 +35,9 @@ def pool():
 
 def _connection_factory(ctx, server):
     """(key, factory) of the connection serving `server` for this turn's unit."""
-    from ..mcp.config import resolve
     from ..mcp.connection import Connection, process_spec
     from ..runtimes.acp_bridge import sandbox, workspace
+    from ..runtimes.mcp_config import resolve
 
     env = resolve(server.raw.get("env"), ctx.options)
     headers = resolve(server.raw.get("headers"), ctx.options)
@@ -78,8 +78,8 @@ async def session_deleted(*, session_id: str, tenant: str, config: dict) -> None
     its servers' HOMEs are removed and their uids given back."""
     import asyncio
 
-    from ..mcp.config import servers_of
     from ..runtimes.acp_bridge import routing, sandbox, workspace
+    from ..runtimes.mcp_config import servers_of
 
     servers = [server for server in servers_of(config) if server.kind == "stdio"]
     if not servers:
@@ -102,11 +102,13 @@ def _changed(ctx):
         import asyncio
 
         async def relist() -> None:
-            from ..mcp.registry import store_changed
+            from ..mcp import tools_listed
 
             try:
                 listed = await connection.list_tools()
-                await asyncio.to_thread(store_changed, agent_name, connection.server, listed)
+                await asyncio.to_thread(
+                    tools_listed.send, sender=None, agent_name=agent_name, server=connection.server, listed=listed
+                )
             except Exception:
                 logger.exception("listing the changed tools of MCP server %s failed", connection.label)
 
@@ -151,8 +153,8 @@ def content_of(result) -> ToolContent:
 async def _run(arguments: dict, settings: dict) -> ToolContent:
     from mcp.shared.exceptions import MCPError
 
-    from ..mcp.config import server_named
     from ..mcp.connection import McpFailure
+    from ..runtimes.mcp_config import server_named
 
     ctx = CURRENT_TURN.get()
     if ctx is None:

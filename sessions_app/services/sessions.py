@@ -8,6 +8,8 @@ import logging
 from django.db import transaction
 
 from agents.runtimes import runtime_for
+from agents.tools.mcp import session_deleted as mcp_session_deleted
+from hosting.logs import describe_failure
 from hosting.service_errors import BadRequest, NotFound
 
 from .. import admission, events, host, idempotency_keys
@@ -111,12 +113,8 @@ def session_delete(*, tenant, session_id: str) -> None:
             transaction.on_commit(lambda: publish_stop(turn_id, "end_turn", {"cancelled": True}))
         agent = session.agent
         session.delete()
-    try:
-        host.run_sync(
-            runtime_for(agent.runtime_kind).on_session_deleted(
-                session_id=session_id, tenant=tenant.name, config=agent.runtime_config
-            ),
-            timeout=30,
-        )
-    except Exception as exc:
-        logger.warning("runtime cleanup of a deleted session failed: %s", type(exc).__name__)
+    for cleanup in (runtime_for(agent.runtime_kind).on_session_deleted, mcp_session_deleted):
+        try:
+            host.run_sync(cleanup(session_id=session_id, tenant=tenant.name, config=agent.runtime_config), timeout=30)
+        except Exception as exc:
+            logger.warning("cleanup of a deleted session failed: %s", describe_failure(exc))

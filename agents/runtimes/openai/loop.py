@@ -19,10 +19,9 @@ import openai
 
 from hosting import tracing
 
-from ...mcp.config import MCP_SERVERS_SCHEMA
-from ...mcp.config import check as check_mcp_servers
-from ...tools import mcp as mcp_tools
 from ..base import AgentError, Compaction, Runtime, StopReason, ToolCall, TurnContext, new_tool_call_id
+from ..mcp_config import MCP_SERVERS_SCHEMA
+from ..mcp_config import check as check_mcp_servers
 from .client import (
     DEFAULT_BASE_URL,
     NO_KEY,
@@ -124,9 +123,6 @@ class OpenAIRuntime(Runtime):
             where, sentence = problem
             raise ValueError(f"Runtime configuration for '{cls.kind}' is invalid at '{where}': {sentence}.")
         return config
-
-    async def on_session_deleted(self, *, session_id: str, tenant: str, config: dict) -> None:
-        await mcp_tools.session_deleted(session_id=session_id, tenant=tenant, config=config)
 
     def __init__(self):
         self._clients = Clients()

@@ -26,8 +26,8 @@ from django.utils import timezone
 
 from hosting import crypto
 
-from ..runtimes.acp_bridge import sandbox, workspace
-from .config import Server, servers_of, tool_name
+from .runtimes.acp_bridge import sandbox, workspace
+from .runtimes.mcp_config import Server, servers_of, tool_name
 
 logger = logging.getLogger("agents.mcp")
 
@@ -76,7 +76,7 @@ def tools_for(agent) -> tuple[list[dict], dict]:
     now = time.monotonic()
     if cached is not None and cached[0] == key and not (cached[3] and now - cached[1] > RETRY_SECONDS):
         return cached[2], cached[3]
-    from ..models import McpToolList
+    from .models import McpToolList
 
     row = McpToolList.objects.filter(agent_id=agent.pk).first()
     stale = row is None or revision_key(row.revision) != key
@@ -90,7 +90,7 @@ def tools_for(agent) -> tuple[list[dict], dict]:
 
 def refresh(agent) -> tuple[list[dict], dict]:
     """List every MCP server's tools now and store them for the agent's revision."""
-    from ..models import McpToolList
+    from .models import McpToolList
 
     servers = servers_of(agent.runtime_config)
     options = _defaults(agent)
@@ -161,8 +161,8 @@ async def _discover(agent_name: str, servers: list[Server], options: dict[str, s
 
 
 async def _list(agent_name: str, server: Server, options: dict[str, str]):
-    from .config import resolve
-    from .connection import Connection, McpFailure, process_spec
+    from .mcp.connection import Connection, McpFailure, process_spec
+    from .runtimes.mcp_config import resolve
 
     label = f"{agent_name}/discovery/{server.name}"
     env = resolve(server.raw.get("env"), options)
@@ -198,10 +198,15 @@ async def _list(agent_name: str, server: Server, options: dict[str, str]):
         await connection.close(kill=True)
 
 
+def on_tools_listed(sender, *, agent_name: str, server: Server, listed: list, **kwargs) -> None:
+    """The receiver of agents.mcp.tools_listed."""
+    store_changed(agent_name, server, listed)
+
+
 def store_changed(agent_name: str, server: Server, listed: list) -> None:
     """A server's list changed (notifications/tools/list_changed): store it under a new
     revision of the agent, so every process reads the new tools on its next turn or /meta."""
-    from ..models import Agent, McpToolList
+    from .models import Agent, McpToolList
 
     with transaction.atomic():
         agent = Agent.objects.select_for_update().filter(name=agent_name).first()

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from ..runtimes.acp_bridge import limits, sandbox
+from .acp_bridge import limits, sandbox
 
 SERVER_NAME = "^[A-Za-z0-9_-]{1,32}$"
 TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
