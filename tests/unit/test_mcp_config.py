@@ -6,7 +6,7 @@ from __future__ import annotations
 import mcp_types as types
 import pytest
 
-from agents.mcp.config import TOOL_NAME_RE, resolve, tool_name
+from agents.runtimes.mcp_config import TOOL_NAME_RE, resolve, tool_name
 from agents.runtimes.openai import OpenAIRuntime
 from agents.tools.mcp import content_of
 from agents.validation import mcp_option_error
