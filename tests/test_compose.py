@@ -164,7 +164,7 @@ def test_commands_scripts_and_paths_exist_in_the_image():
         for volume in service.get("volumes", []):
             source_path, target = volume.split(":")[:2]
             if source_path.startswith("./"):
-                assert (ROOT / source_path).is_file(), f"{name} mounts {source_path}, which the repository lacks"
+                assert (ROOT / source_path).exists(), f"{name} mounts {source_path}, which the repository lacks"
             elif target.startswith("/data/"):
                 assert target in made, f"{name}: the image never creates {target} (owned by its user)"
         check = service.get("healthcheck")
@@ -174,7 +174,8 @@ def test_commands_scripts_and_paths_exist_in_the_image():
                 if word.startswith("/app/"):
                     assert image_path(word).is_file() and not dockerignored(word.removeprefix("/app/")), word
             assert check["test"][-1] == name
-    assert services["init"]["volumes"][0].endswith(":/config/agents.yaml:ro")
+    # deploy/ (the operator's agents.yaml beside the example) at /config.
+    assert services["init"]["volumes"][0] == "./deploy:/config"
     assert services["init"]["environment"]["AAP_AGENTS_FILE"] == "/config/agents.yaml"
     caddy = services["caddy"]
     assert (ROOT / caddy["volumes"][0].split(":")[0]).is_file()
@@ -458,6 +459,7 @@ def deployment(tmp_path_factory, log_dir):
     worker_url = urlunsplit(database._replace(netloc=f"{role}:{password}@{database.hostname}:{database.port or 5432}"))
     redis_url = urlunsplit(urlsplit(os.environ["REDIS_URL"])._replace(path="/7"))  # apart from the suite's queues
     var = tmp_path_factory.mktemp("deploy-var")
+    (var / "config").mkdir()
     port = free_port()
     # The environment docker-compose.yml gives the app containers, with the .env of the README.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AAP_", "DATABASE_", "HOSTING_", "OPENAI_"))}
@@ -472,7 +474,9 @@ def deployment(tmp_path_factory, log_dir):
             "REDIS_URL": redis_url,
             "AAP_WORKSPACE_ROOT": str(var / "workspaces"),
             "HOSTING_VAR_DIR": str(var),
-            "AAP_AGENTS_FILE": str(ROOT / "deploy" / "agents.yaml"),
+            # The operator's file does not exist yet: first-run makes it from the example.
+            "AAP_AGENTS_FILE": str(var / "config" / "agents.yaml"),
+            "AAP_AGENTS_EXAMPLE": str(ROOT / "deploy" / "agents.example.yaml"),
             "ALLOWED_HOSTS": "aap.example.com",  # a public name only: the healthcheck must still pass
             "PORT": str(port),
             "BIND_ADDRESS": "127.0.0.1",
@@ -521,7 +525,9 @@ def test_the_deployment_serves_the_mounted_agents_and_its_first_tenant(deploymen
         time.sleep(0.3)
 
     meta = httpx.get(deployment.base_url + "/v1/meta", headers=headers, timeout=10).json()
-    mounted = [a["name"] for a in yaml.safe_load((ROOT / "deploy" / "agents.yaml").read_text())["agents"]]
+    created = Path(deployment.env["AAP_AGENTS_FILE"])
+    assert created.read_text() == (ROOT / "deploy" / "agents.example.yaml").read_text()
+    mounted = [a["name"] for a in yaml.safe_load(created.read_text())["agents"]]
     assert [a["name"] for a in meta["agents"]] == mounted
 
     # The worker role runs the tenant's turns.
@@ -636,11 +642,13 @@ def test_the_readme_deploy_steps_name_services_roles_and_files_that_exist():
             if "exec" in words:
                 assert words[words.index("exec") + 1] in services, command
         for word in words:
-            if word.startswith("deploy/"):
+            if word.startswith("deploy/") and word != "deploy/agents.yaml":  # first-run makes it
                 assert (ROOT / word).is_file(), command
     assert seen_first_run, "the walk-through creates the first tenant"
-    # The agents file the walk-through edits is the one the init service mounts.
-    assert services["init"]["volumes"][0].startswith("./deploy/agents.yaml:")
+    # The agents file the walk-through edits is the one the init service applies.
+    assert services["init"]["volumes"][0].startswith("./deploy:")
+    assert services["init"]["environment"]["AAP_AGENTS_FILE"] == "/config/agents.yaml"
+    assert "deploy/agents.yaml" in block and (ROOT / "deploy" / "agents.example.yaml").is_file()
     # Every setting the deploy section names is one .env.example documents.
     named = set(re.findall(r"`([A-Z][A-Z0-9_]{3,})`", section))
     assert named <= env_example(), sorted(named - env_example())
