@@ -74,10 +74,15 @@ def as_mapping(environment: Any) -> dict[str, str]:
     return {k: "" if v is None else str(v) for k, v in (environment or {}).items()}
 
 
+def interpolated(dotenv: str, compose_file: Path = ROOT / "docker-compose.yml") -> dict:
+    """The file as compose validates it: YAML (merge keys resolved) with variables interpolated."""
+    return interpolate(yaml.safe_load(compose_file.read_text()), parse_dotenv(dotenv))
+
+
 def render(dotenv: str, compose_file: Path = ROOT / "docker-compose.yml") -> dict:
     """The rendered configuration; each service gains `resolved_environment`."""
     env = parse_dotenv(dotenv)
-    config = interpolate(yaml.safe_load(compose_file.read_text()), env)
+    config = interpolated(dotenv, compose_file)
     for service in config["services"].values():
         resolved: dict[str, str] = {}
         env_files = service.get("env_file") or []

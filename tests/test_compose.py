@@ -130,6 +130,7 @@ def test_every_setting_the_code_reads_reaches_the_app_containers():
 
 def test_every_documented_setting_is_read_by_something():
     read = settings_env() | {"OPENAI_BASE_URL", "OPENAI_API_KEY", "OPENAI_MODEL"}  # agents files (defaultEnv)
+    read |= {"COMPOSE_PROJECT_NAME"}  # compose itself: the project (and volume) name
     read |= set(SHELL_VAR.findall((ROOT / "deploy" / "entrypoint.sh").read_text()))
     read |= set(SHELL_VAR.findall((ROOT / "docker-compose.yml").read_text()))
     read |= set(SHELL_VAR.findall((ROOT / "deploy" / "healthcheck.py").read_text()))
