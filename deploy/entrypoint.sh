@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The container's entrypoint: one image, one role per service of docker-compose.yml.
 #
-#   web        Daphne on 0.0.0.0:8000 (AAP API, admin, /healthz)
+#   web        Daphne on 0.0.0.0:8000 (AAP API, admin, /healthz), access lines through logging
 #   worker     a Celery worker running turns (WORKER_CONCURRENCY threads)
 #   beat       the Celery beat scheduler (the stale-turn sweep)
 #   init       wait for PostgreSQL, migrate, grant the workers' database role (when
@@ -72,6 +72,10 @@ first_tenant() {
     manage create_tenant "$name" --title "${AAP_FIRST_TENANT_TITLE:-}"
 }
 
+quiet() { # JSON logs: no multi-line startup banner (Celery prints it outside logging)
+    [[ ${LOG_FORMAT:-json} == plain ]] || printf '%s' --quiet
+}
+
 pool_max() { # default pool size of this role
     export DATABASE_POOL_MAX=${DATABASE_POOL_MAX:-$1}
 }
@@ -81,20 +85,21 @@ case "$role" in
     web)
         shift
         pool_max $(( ${AAP_WEB_THREADS:-16} + 4 ))
-        exec daphne -b "${BIND_ADDRESS:-0.0.0.0}" -p "${PORT:-8000}" "$@" hosting.asgi:application
+        # Daphne, its access lines through logging (JSON, no query string: hosting/webserver.py).
+        exec "$PYTHON" -m hosting.webserver -b "${BIND_ADDRESS:-0.0.0.0}" -p "${PORT:-8000}" "$@" hosting.asgi:application
         ;;
     worker)
         shift
         concurrency=${WORKER_CONCURRENCY:-8}
         pool_max $(( concurrency + 4 ))
-        exec celery -A hosting worker --loglevel "${LOG_LEVEL:-INFO}" --pool threads \
+        exec celery -A hosting $(quiet) worker --loglevel "${LOG_LEVEL:-INFO}" --pool threads \
             --concurrency "$concurrency" -Q aap-turns "$@"
         ;;
     beat)
         shift
         pool_max 2
         mkdir -p "${HOSTING_VAR_DIR:-/data/var}"
-        exec celery -A hosting beat --loglevel "${LOG_LEVEL:-INFO}" \
+        exec celery -A hosting $(quiet) beat --loglevel "${LOG_LEVEL:-INFO}" \
             --schedule "${HOSTING_VAR_DIR:-/data/var}/celerybeat-schedule" "$@"
         ;;
     init)

@@ -328,9 +328,9 @@ def test_the_worker_container_may_start_agents_in_namespaces():
 
 @pytest.fixture(scope="module")
 def shims(tmp_path_factory) -> Path:
-    """daphne and celery stand-ins that print what the entrypoint hands them."""
+    """python (the web role's server) and celery stand-ins that print what the entrypoint hands them."""
     path = tmp_path_factory.mktemp("shims")
-    for name in ("daphne", "celery"):
+    for name in ("python", "celery"):
         shim = path / name
         shim.write_text('#!/bin/sh\necho "pool=$DATABASE_POOL_MAX args=$*"\n')
         shim.chmod(0o755)
@@ -369,6 +369,14 @@ def test_scaling_workers_stays_under_postgres_max_connections(shims):
     assert "pool=20 " in entrypoint_says(shims, "worker", WORKER_CONCURRENCY="16")
     assert "--concurrency 16" in entrypoint_says(shims, "worker", WORKER_CONCURRENCY="16")
     assert "pool=7 " in entrypoint_says(shims, "worker", DATABASE_POOL_MAX="7") + " "
+
+
+def test_json_logs_have_no_banner_and_the_web_role_logs_access_through_logging(shims):
+    web = entrypoint_says(shims, "web")
+    assert "args=-m hosting.webserver -b 0.0.0.0 -p 8000 hosting.asgi:application" in web
+    for role in ("worker", "beat"):
+        assert "args=-A hosting --quiet " in entrypoint_says(shims, role), role
+        assert "--quiet" not in entrypoint_says(shims, role, LOG_FORMAT="plain"), role
 
 
 def test_the_healthcheck_host_is_one_the_service_allows():
