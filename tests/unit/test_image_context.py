@@ -103,3 +103,9 @@ def test_backups_and_local_files_are_ignored_by_git():
         assert done.returncode == 0, f"git would offer to commit {path}: add it to .gitignore"
     done = subprocess.run(["git", "check-ignore", "-q", ".env.example"], cwd=ROOT)
     assert done.returncode == 1, ".env.example is part of the repository"
+
+
+def test_the_operators_agents_file_is_not_tracked_so_upgrades_never_conflict():
+    assert "deploy/agents.yaml" not in tracked_files() and "deploy/agents.example.yaml" in tracked_files()
+    done = subprocess.run(["git", "check-ignore", "-q", "deploy/agents.yaml"], cwd=ROOT)
+    assert done.returncode == 0, "deploy/agents.yaml is the operator's: git must ignore it"
