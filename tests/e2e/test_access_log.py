@@ -15,6 +15,8 @@ import pytest
 
 from tests.support import BIN, ROOT, free_port, wait_for_health
 
+pytestmark = pytest.mark.e2e
+
 TICKET = "aapt_0123456789abcdefSECRETTICKET"
 
 
