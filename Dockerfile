@@ -42,7 +42,8 @@ RUN if [ "$ACP" = "1" ]; then \
 COPY requirements.lock ./
 RUN pip install --require-hashes -r requirements.lock
 
-# The project itself (non-editable install; .dockerignore keeps .venv, var, .git out).
+# The project itself (non-editable install; .dockerignore keeps .venv, var/, .git, .env*,
+# backups and dumps, and the operator's deploy/agents.yaml out: tests/unit/test_image_context.py).
 COPY . .
 RUN pip install --no-deps . \
     && rm -rf build ./*.egg-info

@@ -1,6 +1,7 @@
 """Every non-2xx answer is JSON: {"error": "<one sentence>", "details"?: ...}."""
 
 import logging
+import re
 
 from django import db
 from django.conf import settings
@@ -162,6 +163,10 @@ def exception_handler(exc, context):
     )
 
 
+# A \uD800-\uDFFF escape, or the UTF-8 bytes of a surrogate (ED A0-BF ..).
+MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
 class LimitedJSONParser(JSONParser):
     """JSON parser that enforces AAP_MAX_BODY_BYTES on every body, chunked or not."""
 
@@ -180,7 +185,10 @@ class LimitedJSONParser(JSONParser):
         try:
             data = super().parse(io.BytesIO(raw), media_type, parser_context)
             # A lone \ud800-style escape decodes but cannot be stored or sent back as UTF-8.
-            json.dumps(data, ensure_ascii=False).encode()
+            # Surrogates come only from such escapes (or surrogate bytes, which JSON's decoder
+            # lets through): without either, encoding the whole body again is skipped.
+            if MAYBE_SURROGATE.search(raw):
+                json.dumps(data, ensure_ascii=False).encode()
         except RecursionError:
             raise exceptions.ParseError("it nests arrays or objects too deeply") from None
         except UnicodeEncodeError:

@@ -244,6 +244,13 @@ CELERY_BEAT_SCHEDULE = {
 AAP_PUBLIC_META = env_bool("AAP_PUBLIC_META", True)
 # Largest request body accepted, in bytes (413 beyond it).
 AAP_MAX_BODY_BYTES = env_int("AAP_MAX_BODY_BYTES", 10 * 1024 * 1024)
+# Requests refused by their size in items, checked on the parsed JSON before any per-message
+# validation (sessions_app/services/validation.check_request_size): a body under the byte limit
+# can still hold 200,000 tiny messages.
+AAP_MAX_TURN_MESSAGES = env_int("AAP_MAX_TURN_MESSAGES", 256)
+AAP_MAX_SEED_MESSAGES = env_int("AAP_MAX_SEED_MESSAGES", 2000)
+AAP_MAX_CONTENT_PARTS = env_int("AAP_MAX_CONTENT_PARTS", 64)
+AAP_MAX_REQUEST_TOOLS = env_int("AAP_MAX_REQUEST_TOOLS", 128)
 DATA_UPLOAD_MAX_MEMORY_SIZE = AAP_MAX_BODY_BYTES
 # A request's line and headers, then its body, must arrive within these (408 otherwise).
 AAP_REQUEST_HEADERS_TIMEOUT_SECONDS = env_float("AAP_REQUEST_HEADERS_TIMEOUT_SECONDS", 10.0)

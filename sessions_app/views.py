@@ -22,6 +22,7 @@ from hosting.service_errors import BadRequest, NotFound
 from . import events, idempotency_keys, protocol, selectors
 from .models import Turn
 from .services import sessions, turns
+from .services.validation import check_request_size
 from .streaming import turn_response
 
 ERRORS = {
@@ -83,6 +84,7 @@ class SessionsView(APIView):
         responses={201: protocol.SessionIdSerializer, **ERRORS, **RETRY_ERRORS},
     )
     def post(self, request):
+        check_request_size(request.data, seed=True)
         data = validated(protocol.CreateSessionSerializer, request.data)
         session = sessions.session_create(
             tenant=request.user.tenant,
@@ -146,6 +148,7 @@ class TurnsView(APIView):
         responses={**TURN_RESPONSES, **RETRY_ERRORS},
     )
     def post(self, request, session_id):
+        check_request_size(request.data, seed=False)
         data = validated(protocol.TurnRequestSerializer, request.data)
         turn = turns.turn_start(
             tenant=request.user.tenant, session_id=session_id, data=data, idempotency=idempotency(request)

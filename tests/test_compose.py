@@ -130,6 +130,7 @@ def test_every_setting_the_code_reads_reaches_the_app_containers():
 
 def test_every_documented_setting_is_read_by_something():
     read = settings_env() | {"OPENAI_BASE_URL", "OPENAI_API_KEY", "OPENAI_MODEL"}  # agents files (defaultEnv)
+    read |= {"COMPOSE_PROJECT_NAME"}  # compose itself: the project (and volume) name
     read |= set(SHELL_VAR.findall((ROOT / "deploy" / "entrypoint.sh").read_text()))
     read |= set(SHELL_VAR.findall((ROOT / "docker-compose.yml").read_text()))
     read |= set(SHELL_VAR.findall((ROOT / "deploy" / "healthcheck.py").read_text()))
@@ -164,7 +165,7 @@ def test_commands_scripts_and_paths_exist_in_the_image():
         for volume in service.get("volumes", []):
             source_path, target = volume.split(":")[:2]
             if source_path.startswith("./"):
-                assert (ROOT / source_path).is_file(), f"{name} mounts {source_path}, which the repository lacks"
+                assert (ROOT / source_path).exists(), f"{name} mounts {source_path}, which the repository lacks"
             elif target.startswith("/data/"):
                 assert target in made, f"{name}: the image never creates {target} (owned by its user)"
         check = service.get("healthcheck")
@@ -174,7 +175,8 @@ def test_commands_scripts_and_paths_exist_in_the_image():
                 if word.startswith("/app/"):
                     assert image_path(word).is_file() and not dockerignored(word.removeprefix("/app/")), word
             assert check["test"][-1] == name
-    assert services["init"]["volumes"][0].endswith(":/config/agents.yaml:ro")
+    # deploy/ (the operator's agents.yaml beside the example) at /config.
+    assert services["init"]["volumes"][0] == "./deploy:/config"
     assert services["init"]["environment"]["AAP_AGENTS_FILE"] == "/config/agents.yaml"
     caddy = services["caddy"]
     assert (ROOT / caddy["volumes"][0].split(":")[0]).is_file()
@@ -326,9 +328,9 @@ def test_the_worker_container_may_start_agents_in_namespaces():
 
 @pytest.fixture(scope="module")
 def shims(tmp_path_factory) -> Path:
-    """daphne and celery stand-ins that print what the entrypoint hands them."""
+    """python (the web role's server) and celery stand-ins that print what the entrypoint hands them."""
     path = tmp_path_factory.mktemp("shims")
-    for name in ("daphne", "celery"):
+    for name in ("python", "celery"):
         shim = path / name
         shim.write_text('#!/bin/sh\necho "pool=$DATABASE_POOL_MAX args=$*"\n')
         shim.chmod(0o755)
@@ -367,6 +369,14 @@ def test_scaling_workers_stays_under_postgres_max_connections(shims):
     assert "pool=20 " in entrypoint_says(shims, "worker", WORKER_CONCURRENCY="16")
     assert "--concurrency 16" in entrypoint_says(shims, "worker", WORKER_CONCURRENCY="16")
     assert "pool=7 " in entrypoint_says(shims, "worker", DATABASE_POOL_MAX="7") + " "
+
+
+def test_json_logs_have_no_banner_and_the_web_role_logs_access_through_logging(shims):
+    web = entrypoint_says(shims, "web")
+    assert "args=-m hosting.webserver -b 0.0.0.0 -p 8000 hosting.asgi:application" in web
+    for role in ("worker", "beat"):
+        assert "args=-A hosting --quiet " in entrypoint_says(shims, role), role
+        assert "--quiet" not in entrypoint_says(shims, role, LOG_FORMAT="plain"), role
 
 
 def test_the_healthcheck_host_is_one_the_service_allows():
@@ -458,6 +468,7 @@ def deployment(tmp_path_factory, log_dir):
     worker_url = urlunsplit(database._replace(netloc=f"{role}:{password}@{database.hostname}:{database.port or 5432}"))
     redis_url = urlunsplit(urlsplit(os.environ["REDIS_URL"])._replace(path="/7"))  # apart from the suite's queues
     var = tmp_path_factory.mktemp("deploy-var")
+    (var / "config").mkdir()
     port = free_port()
     # The environment docker-compose.yml gives the app containers, with the .env of the README.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AAP_", "DATABASE_", "HOSTING_", "OPENAI_"))}
@@ -472,7 +483,9 @@ def deployment(tmp_path_factory, log_dir):
             "REDIS_URL": redis_url,
             "AAP_WORKSPACE_ROOT": str(var / "workspaces"),
             "HOSTING_VAR_DIR": str(var),
-            "AAP_AGENTS_FILE": str(ROOT / "deploy" / "agents.yaml"),
+            # The operator's file does not exist yet: first-run makes it from the example.
+            "AAP_AGENTS_FILE": str(var / "config" / "agents.yaml"),
+            "AAP_AGENTS_EXAMPLE": str(ROOT / "deploy" / "agents.example.yaml"),
             "ALLOWED_HOSTS": "aap.example.com",  # a public name only: the healthcheck must still pass
             "PORT": str(port),
             "BIND_ADDRESS": "127.0.0.1",
@@ -521,7 +534,9 @@ def test_the_deployment_serves_the_mounted_agents_and_its_first_tenant(deploymen
         time.sleep(0.3)
 
     meta = httpx.get(deployment.base_url + "/v1/meta", headers=headers, timeout=10).json()
-    mounted = [a["name"] for a in yaml.safe_load((ROOT / "deploy" / "agents.yaml").read_text())["agents"]]
+    created = Path(deployment.env["AAP_AGENTS_FILE"])
+    assert created.read_text() == (ROOT / "deploy" / "agents.example.yaml").read_text()
+    mounted = [a["name"] for a in yaml.safe_load(created.read_text())["agents"]]
     assert [a["name"] for a in meta["agents"]] == mounted
 
     # The worker role runs the tenant's turns.
@@ -636,11 +651,13 @@ def test_the_readme_deploy_steps_name_services_roles_and_files_that_exist():
             if "exec" in words:
                 assert words[words.index("exec") + 1] in services, command
         for word in words:
-            if word.startswith("deploy/"):
+            if word.startswith("deploy/") and word != "deploy/agents.yaml":  # first-run makes it
                 assert (ROOT / word).is_file(), command
     assert seen_first_run, "the walk-through creates the first tenant"
-    # The agents file the walk-through edits is the one the init service mounts.
-    assert services["init"]["volumes"][0].startswith("./deploy/agents.yaml:")
+    # The agents file the walk-through edits is the one the init service applies.
+    assert services["init"]["volumes"][0].startswith("./deploy:")
+    assert services["init"]["environment"]["AAP_AGENTS_FILE"] == "/config/agents.yaml"
+    assert "deploy/agents.yaml" in block and (ROOT / "deploy" / "agents.example.yaml").is_file()
     # Every setting the deploy section names is one .env.example documents.
     named = set(re.findall(r"`([A-Z][A-Z0-9_]{3,})`", section))
     assert named <= env_example(), sorted(named - env_example())

@@ -1,9 +1,12 @@
 """Checks of a session's or a turn's request against its agent: options (secrets encrypted),
-server tools, client tools, images, stream mode, and answers to pending tool calls."""
+server tools, client tools, images, stream mode, and answers to pending tool calls; and,
+before any of them, of its size in items (`check_request_size`)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from django.conf import settings
 
 from agents.models import Agent, AgentOption
 from agents.selectors import AgentDefinition, option_rows, server_tool_specs
@@ -11,6 +14,46 @@ from hosting import crypto
 from hosting.service_errors import BadRequest
 
 from ..protocol import content_images, image_kind
+
+
+def check_request_size(data: Any, *, seed: bool) -> None:
+    """Refuse a session's or turn's request with more messages, content parts or tools than
+    the limits allow, before any serializer looks at one of them.
+
+    Runs on the parsed JSON and costs one `len` per list: a body under AAP_MAX_BODY_BYTES can
+    hold 200,000 tiny messages, which per-message validation would take seconds of the web's
+    CPU to refuse. `seed`: the messages a session starts with (AAP_MAX_SEED_MESSAGES) rather
+    than one turn's (AAP_MAX_TURN_MESSAGES). Wrong types are left to the serializers.
+    """
+    if not isinstance(data, dict):
+        return
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        limit, name = (
+            (settings.AAP_MAX_SEED_MESSAGES, "AAP_MAX_SEED_MESSAGES")
+            if seed
+            else (settings.AAP_MAX_TURN_MESSAGES, "AAP_MAX_TURN_MESSAGES")
+        )
+        if limit and len(messages) > limit:
+            what = "A session's seed history" if seed else "One turn"
+            raise BadRequest(
+                f"{what} may hold at most {limit} messages ({name}); this request has {len(messages)}. "
+                + ("Start the session with fewer messages." if seed else "Send fewer messages per turn.")
+            )
+        parts = settings.AAP_MAX_CONTENT_PARTS
+        for index, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            if parts and isinstance(content, list) and len(content) > parts:
+                raise BadRequest(
+                    f"messages[{index}] has {len(content)} content parts; at most {parts} are allowed "
+                    "(AAP_MAX_CONTENT_PARTS)."
+                )
+    tools = data.get("tools")
+    limit = settings.AAP_MAX_REQUEST_TOOLS
+    if limit and isinstance(tools, list) and len(tools) > limit:
+        raise BadRequest(
+            f"A request may declare at most {limit} client tools (AAP_MAX_REQUEST_TOOLS); this one has {len(tools)}."
+        )
 
 
 def _declared_options(agent: Agent | AgentDefinition) -> dict[str, Any]:

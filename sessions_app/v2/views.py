@@ -18,6 +18,7 @@ from hosting.service_errors import BadRequest
 from .. import protocol, selectors
 from .. import views as v3
 from ..services import sessions, turns
+from ..services.validation import check_request_size
 from ..streaming import HANDOFF_HEADER, turn_response
 from . import shapes
 from .stream import mark
@@ -65,6 +66,7 @@ class SessionCreateView(APIView):
         },
     )
     def put(self, request):
+        check_request_size(request.data, seed=True)
         data = v3.validated(shapes.V2CreateSessionSerializer, request.data)
         session_id, turn = turns.session_open(
             tenant=request.user.tenant, **shapes.create_request_to_v3(data), idempotency=v3.idempotency(request)
@@ -86,6 +88,7 @@ class SessionView(APIView):
         },
     )
     def post(self, request, session_id):
+        check_request_size(request.data, seed=False)
         data = v3.validated(shapes.V2TurnRequestSerializer, request.data)
         turn = turns.turn_start(
             tenant=request.user.tenant,

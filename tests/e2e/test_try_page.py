@@ -262,3 +262,38 @@ def test_a_wrong_token_is_told_and_not_kept(chromium, try_stack):
     status, stored = chromium.call(scenario)
     assert "token" in status.lower()
     assert stored is None
+
+
+def test_the_page_has_an_icon_and_a_reload_shows_the_session_it_reattached_to(chromium, try_stack):
+    token = try_stack.tokens["demo"]
+
+    def scenario(browser):
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        failures, icons = [], []
+        context.on("response", lambda r: failures.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+        context.on("response", lambda r: icons.append(r.status) if r.url.endswith("/icon.svg") else None)
+        page = context.new_page()
+        page.on("console", lambda message: failures.append(message.text) if message.type == "error" else None)
+        page.set_default_timeout(30_000)
+        try:
+            page.goto(try_stack.base_url + "/try/")
+            page.fill("[data-testid=token]", token)
+            page.click("[data-testid=sign-in]")
+            page.wait_for_selector("[data-testid=agent] option[value=echo]", state="attached")
+            page.select_option("[data-testid=agent]", "echo")
+            page.check("[data-testid=tool-add]")
+            page.check("[data-testid=trust-add]")
+            session = new_session(page)
+            page.reload()
+            page.wait_for_function(
+                "s => document.querySelector('[data-testid=session-id]').textContent === s", arg=session
+            )
+            boxes = {box: page.is_checked(f"[data-testid={box}]") for box in ("tool-add", "trust-add", "tool-clock")}
+            return boxes, failures, icons
+        finally:
+            context.close()
+
+    boxes, failures, icons = chromium.call(scenario)
+    assert boxes == {"tool-add": True, "trust-add": True, "tool-clock": False}
+    assert failures == [], "no 404 (a /favicon.ico) and no error in the console"
+    assert icons and set(icons) <= {200, 304}

@@ -105,6 +105,14 @@ function showAgent() {
     tools.append(row);
   }
   tools.hidden = !(agent.tools || []).length;
+  // The session this tab re-attached to: its server tools as it was created with them.
+  const saved = store.get("session");
+  if (saved && saved.agent === agent.name) {
+    for (const box of tools.querySelectorAll("[data-tool]")) {
+      box.checked = Object.prototype.hasOwnProperty.call(saved.serverTools || {}, box.dataset.tool);
+    }
+    for (const box of tools.querySelectorAll("[data-trust]")) box.checked = (saved.serverTools || {})[box.dataset.trust] === true;
+  }
   const caps = agent.capabilities || {};
   $("client-tools-box").hidden = !(caps.application && caps.application.tools);
   if (!$("client-tools").value) $("client-tools").value = JSON.stringify(SAMPLE_TOOLS, null, 2);
