@@ -89,15 +89,30 @@ def fresh_database():
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def test_the_readme_backup_restores_into_a_fresh_and_into_a_migrated_database(
-    transactional_db, fresh_database, tmp_path
-):
+@pytest.fixture
+def kept_tenant():
+    """A tenant committed to the test database (pg_dump reads committed rows only), written
+    on a connection of its own and deleted after: the test database is shared with the pg
+    stack's processes, so it is never flushed (a transactional test would flush it)."""
     from django.db import connection
 
-    from hosting.services import tenant_create
-
-    tenant_create(name="kept-by-the-backup")
     source = connection.settings_dict["NAME"]
+    name = f"kept-by-the-backup-{uuid.uuid4().hex[:8]}"
+    with server(source) as conn:
+        conn.execute(
+            "INSERT INTO hosting_tenant (name, title, is_active, created_at, max_running_turns, max_queued_turns,"
+            " turns_per_minute, max_sessions, tokens_per_day) VALUES (%s, '', true, now(), NULL, NULL, NULL, NULL, NULL)",
+            [name],
+        )
+    try:
+        yield source, name
+    finally:
+        with server(source) as conn:
+            conn.execute("DELETE FROM hosting_tenant WHERE name = %s", [name])
+
+
+def test_the_readme_backup_restores_into_a_fresh_and_into_a_migrated_database(kept_tenant, fresh_database, tmp_path):
+    source, tenant = kept_tenant
     conn_args, password = connection_args()
     env = {**os.environ, "PGPASSWORD": password}
 
@@ -134,6 +149,6 @@ def test_the_readme_backup_restores_into_a_fresh_and_into_a_migrated_database(
         assert done.returncode == 0 and not done.stderr, f"restore into a database {state}: {done.stderr.decode()}"
         with server(fresh_database) as restored, server(source) as original:
             tenants = restored.execute("SELECT name FROM hosting_tenant").fetchall()
-            assert ("kept-by-the-backup",) in tenants
+            assert (tenant,) in tenants
             migrations = "SELECT app, name FROM django_migrations ORDER BY app, name"
             assert restored.execute(migrations).fetchall() == original.execute(migrations).fetchall()
