@@ -258,6 +258,15 @@ def test_a_fork_bomb_ends_the_turn_with_an_error_and_the_worker_survives(shell_s
     assert result.stop_reason == "error", result.body
     assert re.search(r"limit of 40 processes", result.body["_meta"]["error"])
     wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=10, message="the agent was stopped")
+    # In the fallback mode the bomb's processes count against the unit uid's process limit
+    # until the kernel has reaped them all: a turn started meanwhile may fail to fork (seen
+    # as a JSON-RPC -32603 from the agent). The session must answer again within the bomb's
+    # own lifetime, then serve as ever.
+    wait_until(
+        lambda: checked_turn(demo, session, user("/sh echo up")).stop_reason == "end_turn",
+        timeout=40,
+        message="the session answers again after the fork bomb",
+    )
     alive_after(demo, session)
 
 
