@@ -98,7 +98,7 @@ def test_a_follower_reads_a_long_stream_in_rounds_sized_by_bytes():
 
     count = MIN_COUNT
     for _ in range(10):
-        count = next_count(count, read(count, count * 100))  # small entries: the rounds grow
+        count = next_count(count, read(count, count * 20))  # small entries: the rounds grow
     assert count == MAX_COUNT
     assert next_count(count, read(count, ROUND_BYTES + 1)) == MIN_COUNT  # large ones: back to few
     assert next_count(64, read(10, 1000)) == 64  # the stream's end: nothing to learn
