@@ -102,12 +102,15 @@ def run_host(seconds: float) -> dict:
 
 
 def run_services(seconds: float) -> dict:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
     from hosting.models import Tenant
-    from sessions_app import dispatch
+    from sessions_app import dispatch, schedule_store
     from sessions_app.services import execution, sessions, turns
 
-    queued: list[str] = []
-    dispatch.enqueue_turn = lambda turn_id, **_: queued.append(turn_id)  # no queue: run it here
+    dispatch.wake = lambda node=None: None  # no worker: the turn is claimed and run here
     tenant = Tenant.objects.get(name="demo")
     session = sessions.session_create(tenant=tenant, agent_config={"name": "echo"}, messages=None, tools=None)
 
@@ -117,7 +120,8 @@ def run_services(seconds: float) -> dict:
             session_id=session.public_id,
             data={"messages": [{"role": "user", "content": "hello world"}], "stream": "none"},
         )
-        execution.turn_execute(queued.pop())
+        turn_id, claimed = schedule_store.claim_next("bench", 0, timezone.now() - timedelta(seconds=30))
+        execution.turn_execute(turn_id, claimed)
 
     return _timed(one, seconds)
 

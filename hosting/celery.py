@@ -36,7 +36,7 @@ def _load_runtimes(**kwargs):
     freeze_startup_heap()
     from sessions_app import worker
 
-    # Ready for turns: the dispatcher now counts this worker's slots and fills them.
+    # Ready for turns: its threads take them from PostgreSQL.
     worker.start_worker(process.worker_node, process.worker_concurrency)
 
 
@@ -52,5 +52,7 @@ def _stop_runtimes(**kwargs):
     # After the warm shutdown let the running turns end: agent processes (ACP) stop the way
     # they expect, stdin closed and time to save their sessions, for the next worker to load.
     from agents.runtimes import shutdown_all
+    from sessions_app import worker
 
+    worker.drain_worker()
     shutdown_all()

@@ -267,9 +267,12 @@ AAP_EVENTS_TICKET_SECONDS = env_int("AAP_EVENTS_TICKET_SECONDS", 3600)
 AAP_SSE_PING_SECONDS = env_float("AAP_SSE_PING_SECONDS", 15.0)
 # A running turn refreshes a lease; a turn whose lease lapses is declared lost.
 AAP_TURN_LEASE_SECONDS = env_float("AAP_TURN_LEASE_SECONDS", 10.0)
-# A queued turn whose dispatch left no trace in Redis (a crash between commit and enqueue,
-# Redis down or restarted) is dispatched again from its row after this grace period.
-AAP_TURN_DISPATCH_GRACE_SECONDS = env_float("AAP_TURN_DISPATCH_GRACE_SECONDS", 5.0)
+# A worker with a free thread looks for waiting turns this often, besides its wake-ups (a
+# wake-up lost with Redis, or taken by a busy worker, costs at most this much latency).
+AAP_WORKER_POLL_SECONDS = env_float("AAP_WORKER_POLL_SECONDS", 1.0)
+# A turn pinned to the worker that holds its prompt (an answer to a permission request)
+# goes to any worker once it waited this long (the holder is gone).
+AAP_TURN_PIN_SECONDS = env_float("AAP_TURN_PIN_SECONDS", 30.0)
 # A stream whose event source fails keeps pinging and retrying this long, then closes.
 AAP_STREAM_RETRY_SECONDS = env_float("AAP_STREAM_RETRY_SECONDS", 30.0)
 # How long a worker retries its claim or finish of a turn while PostgreSQL is unreachable.

@@ -67,16 +67,30 @@ def _tracer():
     return trace.get_tracer("aap-hosting")
 
 
+def trace_parent() -> str:
+    """The W3C traceparent of the current span ("" when tracing is off): what a turn stored
+    now carries to the worker that runs it (`continued`)."""
+    if not enabled():
+        return ""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier)
+    return carrier.get("traceparent", "")
+
+
 @contextlib.contextmanager
-def new_trace():
-    """What runs inside starts a trace of its own (not a child of the calling thread's span):
-    a turn a worker thread runs after another one, without a task message of its own."""
+def continued(parent: str):
+    """What runs inside continues the trace `parent` (a traceparent from `trace_parent`: the
+    request that accepted a turn), or starts a trace of its own when there is none."""
     if not enabled():
         yield
         return
     from opentelemetry import context
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    token = context.attach(context.Context())
+    carried = TraceContextTextMapPropagator().extract({"traceparent": parent}) if parent else context.Context()
+    token = context.attach(carried)
     try:
         yield
     finally:
@@ -85,7 +99,8 @@ def new_trace():
 
 def carry(plan, coro):
     """Run a turn's execution (host.execute) in an `aap.turn` span whose parent is the calling
-    thread's context (the Celery task's span), though the coroutine runs on the runtime loop."""
+    thread's context (the request that accepted the turn, `continued`), though the coroutine
+    runs on the runtime loop."""
     if not enabled():
         return coro
     from opentelemetry import context

@@ -113,9 +113,11 @@ class Turn(models.Model):
     partial = models.TextField(blank=True)
     # Position of the first message the agent produced in full history (0: none stored yet).
     output_seq = models.BigIntegerField(default=0)
-    # When the turn was handed to the broker (sessions_app.dispatch); empty: it waits for a
-    # free worker slot in PostgreSQL, where the next one is chosen fairly between tenants.
-    dispatched_at = models.DateTimeField(null=True, blank=True)
+    # The worker that must run it (it holds the prompt this turn answers, ACP); empty: any.
+    # Another worker may take it once AAP_TURN_PIN_SECONDS passed (the holder is gone).
+    pinned_node = models.CharField(max_length=200, blank=True, default="", db_default="")
+    # The W3C traceparent of the request that accepted it: its run continues that trace.
+    trace_parent = models.CharField(max_length=64, blank=True, default="", db_default="")
 
     class Meta:
         indexes = [models.Index(fields=["status", "created_at"], name="turn_status_created")]

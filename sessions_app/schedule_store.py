@@ -1,21 +1,24 @@
-"""The statements of fair dispatch (sessions_app.dispatch): which turns hold or wait for a
-worker slot, the fair order of the waiting ones, and the workers' heartbeats that say how
-many slots there are. SQL for the same reason as turn_store: they run on every turn."""
+"""The statements of the one queue: the claim that hands the next waiting turn to a worker
+thread (fair between tenants, within each tenant's running limit, pinned turns to their
+worker), which turns hold or wait for a worker slot, and the workers' heartbeats that say
+how many slots there are. SQL for the same reason as turn_store: they run on every turn."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
 from django.db import connection
+from django.utils import timezone
 
+from . import turn_store
 from .models import Turn, Worker
 from .turn_store import TENANT, S, T, _now, waiting
 
 W = Worker._meta.db_table
 _ACTIVE = f"t.status IN ('{Turn.QUEUED}', '{Turn.RUNNING}')"
 _WAITING = waiting("t")
-# Running, or handed to the broker and about to run: what holds (or will hold) a worker slot.
-_IN_FLIGHT = f"{_ACTIVE} AND (t.status = '{Turn.RUNNING}' OR t.dispatched_at IS NOT NULL)"
+# What holds a worker slot.
+_IN_FLIGHT = f"t.status = '{Turn.RUNNING}'"
 
 
 def any_waiting() -> bool:
@@ -31,10 +34,9 @@ def room_for(turn_id: str, tenant_id: int, workers_seen_since: datetime) -> tupl
     `turn_id` (about to be stored) is left out of the waiting ones."""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT COALESCE(SUM(CASE WHEN t.status = %s OR t.dispatched_at IS NOT NULL THEN 1 ELSE 0 END), 0), "
-            f"COALESCE(SUM(CASE WHEN t.status = %s AND t.dispatched_at IS NULL AND t.id <> %s THEN 1 ELSE 0 END), 0), "
-            f"COALESCE(SUM(CASE WHEN (t.status = %s OR t.dispatched_at IS NOT NULL) AND s.tenant_id = %s "
-            f"THEN 1 ELSE 0 END), 0), "
+            f"SELECT COALESCE(SUM(CASE WHEN t.status = %s THEN 1 ELSE 0 END), 0), "
+            f"COALESCE(SUM(CASE WHEN t.status = %s AND t.id <> %s THEN 1 ELSE 0 END), 0), "
+            f"COALESCE(SUM(CASE WHEN t.status = %s AND s.tenant_id = %s THEN 1 ELSE 0 END), 0), "
             f"(SELECT COALESCE(SUM(concurrency), 0) FROM {W} WHERE seen_at >= %s) "
             f"FROM {T} t JOIN {S} s ON s.id = t.session_id WHERE {_ACTIVE}",
             [
@@ -54,8 +56,8 @@ def slots_in_use() -> tuple[int, int]:
     """(turns holding a worker slot, turns waiting for one)."""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT COALESCE(SUM(CASE WHEN t.status = %s OR t.dispatched_at IS NOT NULL THEN 1 ELSE 0 END), 0), "
-            f"COALESCE(SUM(CASE WHEN t.status = %s AND t.dispatched_at IS NULL THEN 1 ELSE 0 END), 0) "
+            f"SELECT COALESCE(SUM(CASE WHEN t.status = %s THEN 1 ELSE 0 END), 0), "
+            f"COALESCE(SUM(CASE WHEN t.status = %s THEN 1 ELSE 0 END), 0) "
             f"FROM {T} t WHERE {_ACTIVE}",
             [Turn.RUNNING, Turn.QUEUED],
         )
@@ -66,10 +68,10 @@ def slots_in_use() -> tuple[int, int]:
 _FAIR_ORDER = (
     f"WITH inflight AS (SELECT s.tenant_id AS tenant_id, COUNT(*) AS n FROM {T} t "
     f"JOIN {S} s ON s.id = t.session_id WHERE {_IN_FLIGHT} GROUP BY s.tenant_id), "
-    f"waiting AS (SELECT t.id AS id, t.created_at AS created_at, s.tenant_id AS tenant_id, "
+    f"waiting AS (SELECT t.id AS id, t.created_at AS created_at, t.pinned_node AS pinned_node, s.tenant_id AS tenant_id, "
     f"ROW_NUMBER() OVER (PARTITION BY s.tenant_id ORDER BY t.created_at, t.id) AS n "
     f"FROM {T} t JOIN {S} s ON s.id = t.session_id WHERE {_WAITING}), "
-    f"ranked AS (SELECT w.id AS id, w.created_at AS created_at, "
+    f"ranked AS (SELECT w.id AS id, w.created_at AS created_at, w.pinned_node AS pinned_node, "
     f"(COALESCE(i.n, 0) + w.n) * 1.0 / tn.weight AS share, "
     f"CASE WHEN COALESCE(tn.max_running_turns, %s) = 0 "
     f"OR COALESCE(i.n, 0) + w.n <= COALESCE(tn.max_running_turns, %s) THEN 1 ELSE 0 END AS may_start "
@@ -78,70 +80,66 @@ _FAIR_ORDER = (
 _IN_FAIR_ORDER = "FROM ranked ORDER BY may_start DESC, share, created_at, id LIMIT %s"
 
 
-def fair_order(limit: int, default_max_running: int) -> list[tuple[str, bool]]:
+def fair_order(
+    limit: int, default_max_running: int, *, node: str | None = None, pinned_before: datetime | None = None
+) -> list[tuple[str, bool]]:
     """Waiting turns in the order free worker slots should take them, each with whether it
     may take one now. A tenant's n-th waiting turn would make it run (its turns in flight + n)
     at once: lowest of that per unit of the tenant's weight first, then oldest first (so a
     tenant's own turns keep their order). A turn that would pass its tenant's running-turns
     limit (`default_max_running` where the tenant sets none; 0: no limit) may not start yet:
-    those come last."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"{_FAIR_ORDER}SELECT id, may_start {_IN_FAIR_ORDER}",
-            [default_max_running, default_max_running, limit],
+    those come last. With `node`: only the turns a thread of that worker may take (not
+    pinned to another worker, or accepted before `pinned_before`)."""
+    order, params = _IN_FAIR_ORDER, [default_max_running, default_max_running, limit]
+    if node is not None:
+        order = order.replace(
+            "FROM ranked", "FROM ranked WHERE (pinned_node = '' OR pinned_node = %s OR created_at < %s)"
         )
+        params[2:2] = [node, connection.ops.adapt_datetimefield_value(pinned_before)]
+    with connection.cursor() as cursor:
+        cursor.execute(f"{_FAIR_ORDER}SELECT id, may_start {order}", params)
         return [(row[0], bool(row[1])) for row in cursor.fetchall()]
 
 
-def fair_order_with_room(
-    limit: int, default_max_running: int, workers_seen_since: datetime
-) -> tuple[list[tuple[str, bool]], int, int]:
-    """fair_order, with (turns in flight, worker slots) read by the same statement; nothing
-    when no turn waits."""
+# The claim: the first waiting turn of the fair order that may start, is pinned to no other
+# worker (or its pin expired) and that no other thread is claiming (SKIP LOCKED: threads
+# claiming at the same instant take the next one instead of waiting), queued -> running.
+_CLAIM = (
+    f"{_FAIR_ORDER[len('WITH ') :]}, "
+    f"pick AS (SELECT q.id FROM {T} q JOIN (SELECT id, share, created_at FROM ranked WHERE may_start = 1 "
+    f"AND (pinned_node = '' OR pinned_node = %s OR created_at < %s) ORDER BY share, created_at, id LIMIT %s) r "
+    f"ON r.id = q.id WHERE q.status = '{Turn.QUEUED}' ORDER BY r.share, r.created_at, r.id LIMIT 1 "
+    f"FOR UPDATE OF q SKIP LOCKED), "
+    f"claimed AS (UPDATE {T} SET status = '{Turn.RUNNING}', started_at = %s, heartbeat_at = %s "
+    f"WHERE id = (SELECT id FROM pick) AND status = '{Turn.QUEUED}' RETURNING id, {turn_store.CLAIMED_COLUMNS})"
+)
+# How many of the fair order's first turns one claim may skip (taken by threads claiming at
+# the same instant) before it reads the order again.
+_PICKS = 8
+
+
+def claim_next(
+    node: str, default_max_running: int, pinned_before: datetime
+) -> tuple[str, turn_store.ClaimedTurn] | None:
+    """The one hand-off of a turn to a worker thread: claim the waiting turn the fair order
+    gives the slot of a thread of worker `node`, with its session; None when none may start
+    now. A turn pinned to another worker is taken once it was accepted before `pinned_before`."""
+    started = timezone.now()
+    now = connection.ops.adapt_datetimefield_value(started)
+    pinned = connection.ops.adapt_datetimefield_value(pinned_before)
+    if connection.vendor != "postgresql":  # the embedded default (SQLite): writes are serialized
+        for turn_id, may_start in fair_order(_PICKS, default_max_running, node=node, pinned_before=pinned_before):
+            taken = turn_store.claim_turn(turn_id) if may_start else None
+            if taken is not None:
+                return turn_id, taken
+        return None
     with connection.cursor() as cursor:
         cursor.execute(
-            f"{_FAIR_ORDER}SELECT id, may_start, (SELECT COALESCE(SUM(n), 0) FROM inflight), "
-            f"(SELECT COALESCE(SUM(concurrency), 0) FROM {W} WHERE seen_at >= %s) {_IN_FAIR_ORDER}",
-            [
-                default_max_running,
-                default_max_running,
-                connection.ops.adapt_datetimefield_value(workers_seen_since),
-                limit,
-            ],
+            turn_store.with_session(_CLAIM, "claimed"),
+            [default_max_running, default_max_running, node, pinned, _PICKS, now, now],
         )
-        rows = cursor.fetchall()
-    if not rows:
-        return [], 0, 0
-    return [(row[0], bool(row[1])) for row in rows], int(rows[0][2]), int(rows[0][3])
-
-
-def mark_dispatched(turn_ids: list[str]) -> list[str]:
-    """Record that these queued turns go to the broker now; returns those still queued."""
-    if not turn_ids:
-        return []
-    marks = ", ".join(["%s"] * len(turn_ids))
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {T} SET dispatched_at = %s WHERE status = %s AND id IN ({marks}) RETURNING id",
-            [_now(), Turn.QUEUED, *turn_ids],
-        )
-        return [row[0] for row in cursor.fetchall()]
-
-
-def dispatched_turns(older_than: datetime, limit: int = 500) -> list[str]:
-    """Queued turns handed to the broker before `older_than` and not yet claimed, oldest first."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT id FROM {T} t WHERE t.status = %s AND t.dispatched_at IS NOT NULL AND t.dispatched_at < %s "
-            f"ORDER BY t.dispatched_at LIMIT %s",
-            [Turn.QUEUED, connection.ops.adapt_datetimefield_value(older_than), limit],
-        )
-        return [row[0] for row in cursor.fetchall()]
-
-
-def waiting_since(turn_id: str) -> tuple[str, datetime | None] | None:
-    """(status, dispatched_at) of a turn; None when it is gone."""
-    return Turn.objects.filter(id=turn_id).values_list("status", "dispatched_at").first()
+        row = cursor.fetchone()
+    return (row[0], turn_store.claimed(row[1:], started)) if row else None
 
 
 def worker_beat(node: str, concurrency: int) -> None:

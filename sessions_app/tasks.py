@@ -2,14 +2,14 @@
 
 from celery import shared_task
 
-from .dispatch import RUN_TURN
+from . import worker
+from .dispatch import WAKE
 from .services import recovery
-from .worker import run_turns
 
 
-@shared_task(name=RUN_TURN, ignore_result=True)
-def run_turn(turn_id: str) -> None:
-    run_turns(turn_id)  # and, while turns wait, the ones the fair order gives this thread
+@shared_task(name=WAKE, ignore_result=True)
+def wake() -> None:
+    worker.wake()  # a free thread of this worker looks for the waiting turns now
 
 
 @shared_task(name="sessions_app.tasks.sweep_stale_turns", ignore_result=True)

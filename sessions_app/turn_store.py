@@ -201,14 +201,16 @@ def close_turn_on_session(
 # --- turns ------------------------------------------------------------------------------------
 
 
-def insert_turn(turn_id: str, session_pk: int, stream: str, permissions: list, *, dispatched: bool = False) -> None:
-    """A new queued turn; `dispatched`: it takes a free worker slot at once (dispatched_at set)."""
-    now = _now()
+def insert_turn(
+    turn_id: str, session_pk: int, stream: str, permissions: list, *, node: str = "", trace_parent: str = ""
+) -> None:
+    """A new queued turn; `node`: the worker that must run it (it holds the prompt the turn
+    answers), else any; `trace_parent`: the trace its run continues."""
     with connection.cursor() as cursor:
         cursor.execute(
             f"INSERT INTO {T} (id, session_id, status, stream, stop_reason, cancelled, permissions, error, "
-            f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq, dispatched_at) "
-            f"VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0, %s)",
+            f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq, pinned_node, trace_parent) "
+            f"VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0, %s, %s)",
             [
                 turn_id,
                 session_pk,
@@ -216,8 +218,9 @@ def insert_turn(turn_id: str, session_pk: int, stream: str, permissions: list, *
                 stream,
                 False,
                 _json_param(Turn, "permissions", permissions),
-                now,
-                now if dispatched else None,
+                _now(),
+                node or "",
+                trace_parent,
             ],
         )
 
@@ -229,80 +232,58 @@ class ClaimedTurn:
     permissions: list
     waited: float = 0.0  # seconds from its acceptance to this claim
     session: TurnSession | None = None  # read with the claim (PostgreSQL); else session_for_turn
+    trace_parent: str = ""  # the trace of the request that accepted it
 
 
-# What a claim returns, then _claimed builds the ClaimedTurn from.
-_CLAIMED_COLUMNS = "session_id, stream, permissions, created_at"
+# What a claim returns, then `claimed` builds the ClaimedTurn from.
+CLAIMED_COLUMNS = "session_id, stream, permissions, created_at, trace_parent"
 
 
-def _with_session(update: str) -> str:
-    """On PostgreSQL a claim's UPDATE also reads its session's row (the claimed columns, then
-    _TURN_SESSION_COLUMNS): the worker needs it next, and it costs no round trip of its own."""
-    if connection.vendor != "postgresql":
-        return update
-    return f"WITH c AS ({update}) SELECT c.*, {_TURN_SESSION_COLUMNS} FROM c LEFT JOIN ({_TURN_SESSION_JOINS}) ON s.id = c.session_id"
+def with_session(update_ctes: str, update_name: str) -> str:
+    """A claim's statement: the CTEs `update_ctes` (ending in the UPDATE named `update_name`,
+    which returns the claimed columns), then its session's row (_TURN_SESSION_COLUMNS): the
+    worker needs it next, and it costs no round trip of its own."""
+    return (
+        f"WITH {update_ctes} SELECT c.*, {_TURN_SESSION_COLUMNS} FROM {update_name} c "
+        f"LEFT JOIN ({_TURN_SESSION_JOINS}) ON s.id = c.session_id"
+    )
 
 
-def _claimed(row, started: datetime) -> ClaimedTurn:
-    session_pk, stream, permissions, created_at = row[:4]
+def claimed(row, started: datetime) -> ClaimedTurn:
+    """The ClaimedTurn of a claim's row (CLAIMED_COLUMNS, then the session's columns, if read)."""
+    session_pk, stream, permissions, created_at, trace_parent = row[:5]
     return ClaimedTurn(
         session_pk,
         stream,
         _json(permissions) or [],
         (started - _datetime(created_at)).total_seconds(),
-        _turn_session(row[4:]) if len(row) > 4 else None,
+        _turn_session(row[5:]) if len(row) > 5 else None,
+        trace_parent or "",
     )
 
 
 def waiting(alias: str) -> str:
-    """SQL: the turn `alias` waits for a worker slot (queued, not handed to the broker)."""
-    return f"{alias}.status = '{Turn.QUEUED}' AND {alias}.dispatched_at IS NULL"
+    """SQL: the turn `alias` waits for a worker slot."""
+    return f"{alias}.status = '{Turn.QUEUED}'"
 
 
-def claim_turn(turn_id: str, *, waiting_only: bool = False) -> ClaimedTurn | None:
-    """queued -> running, at most once: a second delivery of the task gets None.
-    `waiting_only`: only while no one dispatched it yet (a worker thread taking a waiting turn
-    for itself, sessions_app.worker.take_next)."""
+def claim_turn(turn_id: str) -> ClaimedTurn | None:
+    """queued -> running, at most once (where PostgreSQL's one-statement claim,
+    schedule_store.claim_next, is not available)."""
     started = timezone.now()
     now = connection.ops.adapt_datetimefield_value(started)
-    undispatched = " AND dispatched_at IS NULL" if waiting_only else ""
     with connection.cursor() as cursor:
         cursor.execute(
-            _with_session(
-                f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s, "
-                f"dispatched_at = COALESCE(dispatched_at, %s) "
-                f"WHERE id = %s AND status = %s{undispatched} RETURNING {_CLAIMED_COLUMNS}"
-            ),
-            [Turn.RUNNING, now, now, now, turn_id, Turn.QUEUED],
+            f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s "
+            f"WHERE id = %s AND status = %s RETURNING {CLAIMED_COLUMNS}",
+            [Turn.RUNNING, now, now, turn_id, Turn.QUEUED],
         )
         row = cursor.fetchone()
-    return _claimed(row, started) if row else None
-
-
-def claim_first(turn_ids: list[str]) -> tuple[str, ClaimedTurn] | None:
-    """Claim the first of these turns (in this order) still waiting, nobody having dispatched
-    it; None when every one was taken. On PostgreSQL in one statement that skips the rows
-    another thread is claiming at the same instant instead of waiting for it."""
-    if connection.vendor != "postgresql":
-        for turn_id in turn_ids:
-            claimed = claim_turn(turn_id, waiting_only=True)
-            if claimed is not None:
-                return turn_id, claimed
+    if row is None:
         return None
-    started = timezone.now()
-    now = connection.ops.adapt_datetimefield_value(started)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            _with_session(
-                f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s, dispatched_at = %s "
-                f"WHERE id = (SELECT w.id FROM {T} w WHERE w.id = ANY(%s) AND {waiting('w')} "
-                f"ORDER BY array_position(%s, w.id::text) LIMIT 1 FOR UPDATE SKIP LOCKED) "
-                f"RETURNING id, {_CLAIMED_COLUMNS}"
-            ),
-            [Turn.RUNNING, now, now, now, turn_ids, turn_ids],
-        )
-        row = cursor.fetchone()
-    return (row[0], _claimed(row[1:], started)) if row else None
+    found = claimed(row, started)
+    found.session = session_for_turn(found.session_pk)
+    return found
 
 
 @dataclass(frozen=True)
@@ -324,7 +305,7 @@ def end_turn(
 ) -> EndedTurn | None:
     """running -> done; None when it was no longer running (declared lost, or deleted).
     The same statement says whether other turns wait for a worker slot (a hint for the worker
-    thread that ran this one, sessions_app.worker.run_turns: no statement of its own).
+    thread that ran this one, sessions_app.worker: no statement of its own).
 
     `produced`: the turn's output is about to be appended to its session, so its first
     message will be the session's next seq; that seq is the turn's `output_seq` (set in the

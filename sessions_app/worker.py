@@ -1,26 +1,26 @@
-"""A worker: what a process that runs turns does besides running them.
+"""A worker: the threads that take turns from PostgreSQL and run them, and what keeps it known.
 
-`Worker` is one Celery worker process's part (built and started by the worker's signals in
-hosting.celery, stopped at its warm shutdown; a test can make one without Celery):
+`Worker` owns one worker process's part (a Celery worker's, built and started by its
+`worker_ready` signal in hosting.celery and drained at its shutdown; or the embedded mode's,
+inside the web process; a test can make one without either):
 
-- its own heartbeat row in PostgreSQL, every round, saying how many turns it runs at once
-  (the capacity sessions_app.dispatch fills); while it has a free thread, each round offers
-  it to the turns waiting in PostgreSQL;
+- `concurrency` slot threads. A free one claims the next waiting turn in one statement
+  (`take`, the one hand-off of a turn to a thread: schedule_store.claim_next), runs it, and
+  claims again while turns wait; with nothing to claim it waits for a wake-up (`wake`: a
+  Celery message, or the embedded mode's commit hook), and one free thread looks again every
+  AAP_WORKER_POLL_SECONDS, so a lost wake-up costs latency, never a turn;
+- its heartbeat row in PostgreSQL every round, saying how many turns it runs at once (what
+  `queued` positions are counted against);
 - a sweep for lost turns every SWEEP_SECONDS on a thread of its own (one worker at a time
-  across the deployment), so lost turns end even when no broker message can be sent.
+  across the deployment); it reads PostgreSQL only.
 
-`run_turns` is what a worker thread does with a turn handed to it, by the Celery task or by
-the embedded mode's pool (`run_embedded`): run it, then, while turns wait for a slot, the
-ones the fair order gives the slot it freed. The turns' own heartbeats and leases are
-sessions_app.liveness's.
+The turns' own heartbeats and leases are sessions_app.liveness's.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from contextlib import nullcontext
 from datetime import timedelta
 
 from django.conf import settings
@@ -30,7 +30,7 @@ from django.utils import timezone
 from hosting import tracing
 from hosting.logs import describe_failure, log_context
 
-from . import dispatch, liveness, schedule_store, turn_store
+from . import schedule_store, turn_store
 from .services import execution, recovery
 
 logger = logging.getLogger(__name__)
@@ -40,13 +40,20 @@ SWEEP_SECONDS = 10.0
 
 
 class Worker:
-    """One worker process: `concurrency` threads for turns, under the name `node`."""
+    """One process's turn threads: `concurrency` of them, under the name `node`. `beats`: it
+    writes its heartbeat row and sweeps (a Celery worker); the embedded mode's does not, and
+    looks for turns only when woken (its own requests wake it)."""
 
-    def __init__(self, node: str, concurrency: int):
+    def __init__(self, node: str, concurrency: int, *, beats: bool = True):
         self.node = node
         self.concurrency = concurrency
+        self.beats = beats
         self._stopped = threading.Event()
+        self._bell = threading.Condition()
+        self._rung = 0  # wake-ups no waiting thread took yet (every thread was busy)
+        self._looking = False  # a free thread looks for turns every AAP_WORKER_POLL_SECONDS
         self._threads: list[threading.Thread] = []
+        self._slots: list[threading.Thread] = []
 
     @property
     def serving(self) -> bool:
@@ -54,21 +61,38 @@ class Worker:
         return not self._stopped.is_set()
 
     def start(self) -> None:
-        """Say now that this worker's slots are there, then keep saying it and sweeping."""
-        try:
-            self.round()
-        except Exception as exc:
-            logger.warning("the worker's heartbeat could not be written: %s", describe_failure(exc))
-        finally:
-            connection.close()
-        for name, target in (("aap-worker-beat", self._beat_forever), ("aap-sweep", self._sweep_forever)):
-            thread = threading.Thread(target=target, name=name, daemon=True)
+        """Say now that this worker's slots are there, then keep saying it and sweeping; its
+        slot threads look for waiting turns at once (some may have waited for a worker)."""
+        if self.beats:
+            try:
+                self.round()
+            except Exception as exc:
+                logger.warning("the worker's heartbeat could not be written: %s", describe_failure(exc))
+            finally:
+                connection.close()
+            for name, target in (("aap-worker-beat", self._beat_forever), ("aap-sweep", self._sweep_forever)):
+                thread = threading.Thread(target=target, name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        for number in range(self.concurrency):
+            thread = threading.Thread(target=self._serve, name=f"aap-turn-{number}", daemon=True)
             thread.start()
-            self._threads.append(thread)
+            self._slots.append(thread)
+
+    def wake(self) -> None:
+        """A turn waits: a free thread looks for it now (or the next thread to free up)."""
+        with self._bell:
+            self._rung = min(self._rung + 1, self.concurrency)
+            self._bell.notify()
 
     def stop(self) -> None:
-        """A warm shutdown: its slots no longer count (running turns still beat and finish)."""
+        """A warm shutdown: no new turn is taken (running ones finish, `drain`); its slots no
+        longer count."""
         self._stopped.set()
+        with self._bell:
+            self._bell.notify_all()
+        if not self.beats:
+            return
         try:
             schedule_store.worker_gone(self.node)
         except Exception:
@@ -76,15 +100,75 @@ class Worker:
         finally:
             connection.close()
 
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for the running turns to end (after `stop`)."""
+        for thread in self._slots:
+            thread.join(timeout)
+
     def round(self) -> None:
-        """Its heartbeat row; a free thread takes the waiting turns the fair order gives it."""
-        if not self.serving:
-            return
-        schedule_store.worker_beat(self.node, self.concurrency)
-        if liveness.tracked() < self.concurrency:
-            dispatch.dispatch_next()
+        """Its heartbeat row."""
+        if self.serving:
+            schedule_store.worker_beat(self.node, self.concurrency)
+
+    def take(self) -> tuple[str, turn_store.ClaimedTurn] | None:
+        """Claim the waiting turn the fair order gives a free thread of this worker; None when
+        none may start now, or PostgreSQL is unreachable (the turns wait for the next look).
+        Never raises."""
+        pinned_before = timezone.now() - timedelta(seconds=settings.AAP_TURN_PIN_SECONDS)
+        try:
+            return schedule_store.claim_next(self.node, settings.AAP_TENANT_MAX_RUNNING_TURNS, pinned_before)
+        except Exception as exc:
+            logger.warning("waiting turns could not be claimed now: %s", describe_failure(exc))
+            connection.close()  # a broken connection goes back to the pool, which discards it
+            return None
+
+    def _serve(self) -> None:
+        """A slot thread: claim, run, and claim again while turns wait; else wait to be woken."""
+        look = True
+        while self.serving:
+            taken = self.take() if look else None
+            if taken is None:
+                connection.close()  # idle: no connection held while nothing runs
+                look = self._wait()
+                continue
+            turn_id, claimed = taken
+            look = self._run(turn_id, claimed)
+
+    def _wait(self) -> bool:
+        """Wait for a wake-up, or, for the one thread that looks on a timer, the next look.
+        True: look for turns now."""
+        poll = settings.AAP_WORKER_POLL_SECONDS if self.beats else None
+        with self._bell:
+            if self._rung:
+                self._rung -= 1
+                return True
+            looking = poll is not None and not self._looking
+            self._looking = self._looking or looking
+            try:
+                self._bell.wait(poll if looking else None)
+            finally:
+                if looking:
+                    self._looking = False
+            if self._rung:
+                self._rung -= 1
+            return self.serving
+
+    def _run(self, turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
+        """Run a claimed turn; whether turns were waiting as it ended (then it looks again)."""
+        with log_context(turn=turn_id), tracing.continued(claimed.trace_parent):
+            try:
+                return execution.turn_execute(turn_id, claimed)
+            except Exception as exc:
+                # Never raised further: the thread serves on, and the turn, still `running`
+                # with no heartbeat, ends as lost.
+                logger.error("turn %s failed on its worker thread: %s", turn_id, describe_failure(exc))
+                return True
+            finally:
+                close_old_connections()
 
     def _beat_forever(self) -> None:
+        from . import liveness
+
         while not self._stopped.wait(liveness.interval()):
             try:
                 self.round()
@@ -105,12 +189,13 @@ class Worker:
                 connection.close()
 
 
-# This process's worker, when it is a Celery worker (None in a web process).
+# This process's worker: a Celery worker's, or the embedded mode's (None until then).
 _current: Worker | None = None
+_embedded_lock = threading.Lock()
 
 
 def start_worker(node: str, concurrency: int) -> Worker:
-    """The one entry point (the Celery worker's `worker_ready` signal): build and start it."""
+    """The one entry point of a Celery worker (its `worker_ready` signal): build and start it."""
     global _current
     _current = Worker(node, concurrency)
     _current.start()
@@ -118,94 +203,31 @@ def start_worker(node: str, concurrency: int) -> Worker:
 
 
 def stop_worker() -> None:
+    """A warm shutdown's start: take no new turn."""
     if _current is not None:
         _current.stop()
 
 
-def _takes_turns() -> bool:
-    """This process still takes new turns: the embedded mode's pool, or a Celery worker
-    that is not shutting down."""
-    return not settings.REDIS_URL or (_current is not None and _current.serving)
+def drain_worker() -> None:
+    """A warm shutdown's end: wait for the running turns to end."""
+    if _current is not None:
+        _current.drain()
 
 
-def run_embedded(turn_id: str) -> None:
-    """A thread of the embedded mode's pool (dispatch.EMBEDDED_RUNNER)."""
-    close_old_connections()
-    try:
-        run_turns(turn_id)
-    finally:
-        close_old_connections()
+def wake() -> None:
+    """A wake-up reached this worker process (the Celery task sessions_app.tasks.wake)."""
+    if _current is not None:
+        _current.wake()
 
 
-# How long one worker thread keeps taking the next waiting turn itself (run_turns); then the
-# next goes through the broker, and the thread's task ends.
-CHAIN_SECONDS = 20.0
-
-
-def run_turns(turn_id: str) -> None:
-    """Run a turn on this thread (a Celery task's, or the embedded pool's), then, while turns
-    wait for a worker slot, the one the fair order gives the slot it freed: the thread claims
-    and runs it itself. At saturation that is two statements per turn (the fair order's first,
-    its claim) instead of the chooser's transaction, a broker message published, consumed and
-    acknowledged, and a Redis mark set and cleared. Whether others wait comes with the
-    statement that ends the turn, so below saturation a turn's end costs nothing more.
-
-    The chain stops when nothing waits, when this worker is shutting down (a warm shutdown
-    takes no new turn: the waiting ones stay in PostgreSQL for the other workers), and after
-    CHAIN_SECONDS (the next one then goes through the broker). A turn is claimed here by the
-    same conditional UPDATE as from the broker, so it runs once; if this process dies while it
-    runs, its heartbeat stops and it is recovered like any other running turn."""
-    deadline = time.monotonic() + CHAIN_SECONDS
-    claimed: turn_store.ClaimedTurn | None = None
-    while True:
-        with log_context(turn=turn_id), tracing.new_trace() if claimed else nullcontext():
-            try:
-                others_waiting = execution.turn_execute(turn_id, claimed=claimed)
-            except BaseException:
-                dispatch.dispatch_next()  # this slot is free: the next waiting turn, through the broker
-                raise
-        if not others_waiting:
-            return
-        if time.monotonic() > deadline or not _takes_turns():
-            dispatch.dispatch_next()
-            return
-        following = take_next()
-        if following is None:
-            return
-        turn_id, claimed = following
-
-
-# The first turns of the fair order a thread reads at once: threads ending together each
-# claim one of them instead of reading the order again after losing a race.
-_PICKS = 4
-
-
-def take_next() -> tuple[str, turn_store.ClaimedTurn] | None:
-    """For a worker thread whose turn just ended: claim the waiting turn the fair order gives
-    its slot. None when nothing may start (nothing waits, every waiting turn's tenant runs
-    all it may, or the slot was given to a turn sent through the broker), or PostgreSQL is
-    unreachable (the waiting turns stay queued for the next chance). Threads ending together
-    read the same order: each claims the first of it no other thread holds
-    (turn_store.claim_first). Never raises."""
-    try:
-        since = timezone.now() - timedelta(seconds=dispatch.worker_stale_seconds())
-        order, in_flight, slots = schedule_store.fair_order_with_room(
-            _PICKS, settings.AAP_TENANT_MAX_RUNNING_TURNS, since
-        )
-        if in_flight >= dispatch.capacity(slots):
-            # The slot this thread freed went to a turn sent through the broker meanwhile
-            # (the chooser saw it free): the thread goes back to the broker, which has it.
-            return None
-        candidates = [turn_id for turn_id, may_start in order if may_start]
-        if not candidates:
-            return None
-        taken = turn_store.claim_first(candidates)
-        if taken is not None:
-            return taken
-        if len(order) < _PICKS:
-            return None  # every waiting turn was taken meanwhile
-    except Exception as exc:
-        logger.warning("waiting turns could not be dispatched now: %s", describe_failure(exc))
-        return None
-    dispatch.dispatch_next(wait=False)  # contended: the chooser settles it, unless one is at work already
-    return None
+def wake_embedded() -> None:
+    """The embedded mode (dispatch.EMBEDDED_WAKE): this web process's own worker, started
+    with the first turn (it then takes the turns that waited for it, too)."""
+    global _current
+    if _current is None:
+        with _embedded_lock:
+            if _current is None:
+                worker = Worker("embedded", settings.AAP_EMBEDDED_WORKERS, beats=False)
+                worker.start()
+                _current = worker
+    _current.wake()

@@ -1,4 +1,4 @@
-"""The web process's publish of a turn's task (hosting.broker) against a real Redis: it writes
+"""The web process's publish of a wake-up task (hosting.broker) against a real Redis: it writes
 what Celery's own `send_task` writes, and Kombu's channel builds one Redis client for it."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from celery import Celery
 
 from hosting import broker
 
-TASK = "sessions_app.tasks.run_turn"
+TASK = "sessions_app.tasks.wake"
 
 
 @pytest.fixture

@@ -33,12 +33,29 @@ def _queued(session_pk: int) -> str:
     return turn_id
 
 
+def _claim_mine(mine: set[str]):
+    """Claims as a thread would, until one of `mine` is taken (other tests' waiting turns are
+    claimed too, inside this test's transaction); the claim and the statements it took."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from sessions_app import schedule_store
+
+    for _ in range(1000):
+        with CaptureQueriesContext(connection) as queries:
+            taken = schedule_store.claim_next("node-a", 0, timezone.now() - timedelta(seconds=30))
+        if taken is None or taken[0] in mine:
+            return taken, len(queries)
+    raise AssertionError("never claimed")
+
+
 def test_a_claim_reads_the_turn_and_its_session_in_one_statement(session_pk):
     turn_id = _queued(session_pk)
-    with CaptureQueriesContext(connection) as queries:
-        claimed = turn_store.claim_turn(turn_id)
-    assert claimed is not None
-    assert len(queries) == 1
+    taken, statements = _claim_mine({turn_id})
+    assert taken is not None and taken[0] == turn_id
+    claimed = taken[1]
+    assert statements == 1
     assert (claimed.session_pk, claimed.stream, claimed.permissions) == (
         session_pk,
         "delta",
@@ -46,16 +63,11 @@ def test_a_claim_reads_the_turn_and_its_session_in_one_statement(session_pk):
     )
     assert claimed.session == turn_store.session_for_turn(session_pk)
     assert claimed.session.tenant_name == "demo"
-    assert turn_store.claim_turn(turn_id) is None  # a second delivery finds nothing to do
+    assert _claim_mine({turn_id})[0] is None  # claimed once: nothing left to claim
 
 
-def test_a_thread_claiming_the_first_waiting_turn_reads_its_session_too(session_pk):
-    first, second = _queued(session_pk), _queued(session_pk)
-    with CaptureQueriesContext(connection) as queries:
-        taken = turn_store.claim_first([second, first])
-    assert taken is not None
-    turn_id, claimed = taken
-    assert turn_id == second
-    assert len(queries) == 1
-    assert claimed.session == turn_store.session_for_turn(session_pk)
-    assert turn_store.claim_first([second]) is None
+def test_the_fallback_claim_of_one_turn_is_once_too(session_pk):
+    turn_id = _queued(session_pk)
+    claimed = turn_store.claim_turn(turn_id)
+    assert claimed is not None and claimed.session == turn_store.session_for_turn(session_pk)
+    assert turn_store.claim_turn(turn_id) is None

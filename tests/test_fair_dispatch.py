@@ -1,5 +1,5 @@
-"""Free worker slots go to waiting turns fairly between tenants (sessions_app.dispatch):
-the tenant with the fewest turns in flight per unit of its weight first. In-process, inside
+"""Free worker slots go to waiting turns fairly between tenants (schedule_store.claim_next):
+the tenant with the fewest turns running per unit of its weight first. In-process, inside
 the test's transaction; other tests' turns may be in the database, so every assertion looks
 at the relative order of this test's own turns (which those cannot change)."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from django.utils import timezone
 
 pytestmark = pytest.mark.django_db
 
@@ -19,7 +18,7 @@ def _tenant(weight: int = 1):
     return Tenant.objects.create(name=f"fair-{uuid.uuid4().hex[:8]}", weight=weight)
 
 
-def _turns(tenant, count: int, *, dispatched: bool = False, running: bool = False) -> list[str]:
+def _turns(tenant, count: int, *, running: bool = False, node: str = "") -> list[str]:
     """`count` turns of `tenant`, one session each, in creation order."""
     from agents.models import Agent
     from sessions_app.models import Session, Turn
@@ -28,11 +27,7 @@ def _turns(tenant, count: int, *, dispatched: bool = False, running: bool = Fals
     ids = []
     for _ in range(count):
         session = Session.objects.create(tenant=tenant, agent=agent)
-        turn = Turn.objects.create(
-            session=session,
-            status=Turn.RUNNING if running else Turn.QUEUED,
-            dispatched_at=timezone.now() if dispatched or running else None,
-        )
+        turn = Turn.objects.create(session=session, status=Turn.RUNNING if running else Turn.QUEUED, pinned_node=node)
         ids.append(turn.id)
     return ids
 
@@ -65,7 +60,7 @@ def test_free_slots_are_shared_by_weight():
 
 def test_turns_in_flight_count_against_their_tenant():
     early, late = _tenant(), _tenant()
-    _turns(early, 3, dispatched=True)  # handed to the broker, not yet running: slots taken
+    _turns(early, 3, running=True)
     early_turns = _turns(early, 3)
     late_turns = _turns(late, 3)
     assert _order(early_turns, late_turns)[:3] == late_turns
@@ -88,25 +83,6 @@ def test_a_turn_waiting_for_a_full_pool_knows_its_place(monkeypatch):
     waiting = schedule_store.slots_in_use()[1]
     monkeypatch.setattr(dispatch, "capacity", lambda counted=None: schedule_store.slots_in_use()[0] + waiting)
     assert dispatch.queued_place(single[0]) is None
-
-
-def test_choosing_marks_turns_dispatched_fairly(monkeypatch):
-    from sessions_app import dispatch, schedule_store
-    from sessions_app.models import Turn
-
-    busy, quiet = _tenant(), _tenant()
-    _turns(busy, 2, running=True)
-    backlog = _turns(busy, 3)
-    single = _turns(quiet, 1)
-    # One slot free beyond every other waiting turn in the database (each takes its own).
-    others = [t for t, _ in schedule_store.fair_order(100_000, 0) if t not in backlog + single]
-    in_flight = schedule_store.slots_in_use()[0]
-    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: in_flight + len(others) + 1)
-    chosen = dispatch.choose_next()
-    assert single[0] in chosen and not set(backlog) & set(chosen)
-    assert Turn.objects.get(id=single[0]).dispatched_at is not None
-    assert not Turn.objects.filter(id__in=backlog, dispatched_at__isnull=False).exists()
-    assert dispatch.choose_next() == []  # every slot is taken now
 
 
 def test_the_declarative_file_sets_a_tenants_weight():
@@ -163,14 +139,20 @@ def test_a_tenant_never_runs_more_turns_at_once_than_its_limit(settings):
     assert free_first == [(free_turns[0], True), (free_turns[1], False)]
 
 
-def _taken_in_order(mine: list[str], count: int) -> list[str]:
-    """What `take_next` claims, this test's turns only, until `count` of them are taken (a
-    waiting turn another test left behind is claimed too, inside this test's transaction)."""
-    from sessions_app import worker
+def _taken_in_order(mine: list[str], count: int, node: str = "node-a", *, pin_seconds: float = 30.0) -> list[str]:
+    """What a thread of worker `node` claims, this test's turns only, until `count` of them are
+    taken (a waiting turn another test left behind is claimed too, inside this test's
+    transaction)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from sessions_app import schedule_store
 
     taken: list[str] = []
+    pinned_before = timezone.now() - timedelta(seconds=pin_seconds)
     for _ in range(len(mine) + 1000):
-        following = worker.take_next()
+        following = schedule_store.claim_next(node, 0, pinned_before)
         if following is None:
             break
         if following[0] in mine:
@@ -180,35 +162,42 @@ def _taken_in_order(mine: list[str], count: int) -> list[str]:
     return taken
 
 
-def test_a_thread_whose_turn_ended_claims_the_next_turn_of_the_fair_order(monkeypatch):
-    from sessions_app import dispatch
+def test_a_free_thread_claims_the_next_turn_of_the_fair_order():
     from sessions_app.models import Turn
 
     busy, quiet = _tenant(), _tenant()
     _turns(busy, 4, running=True)
     backlog = _turns(busy, 3)
     single = _turns(quiet, 1)
-    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: 1_000_000)  # the ended turn's slot is free
-    sent: list[str] = []
-    monkeypatch.setattr(dispatch, "_send", lambda turn_id, node=None: sent.append(turn_id) or True)
 
     assert _taken_in_order(backlog + single, 2) == [single[0], backlog[0]]
     claimed = Turn.objects.get(id=single[0])
-    assert claimed.status == Turn.RUNNING and claimed.started_at and claimed.dispatched_at
-    assert not sent  # the thread runs it itself: nothing goes through the broker
+    assert claimed.status == Turn.RUNNING and claimed.started_at and claimed.heartbeat_at
     assert Turn.objects.get(id=backlog[1]).status == Turn.QUEUED
 
 
-def test_a_thread_leaves_its_slot_to_a_turn_sent_through_the_broker_meanwhile(monkeypatch):
-    from sessions_app import dispatch, worker
+def test_a_claim_never_passes_a_tenants_running_limit():
     from sessions_app.models import Turn
 
-    waiting = _turns(_tenant(), 1)
-    # Every slot is held (running, or dispatched through the broker and about to run): the
-    # thread goes back to the broker instead of taking a waiting turn beyond the workers' slots.
-    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: 0)
-    assert worker.take_next() is None
-    assert Turn.objects.get(id=waiting[0]).status == Turn.QUEUED
+    capped = _tenant()
+    capped.max_running_turns = 2
+    capped.save()
+    _turns(capped, 1, running=True)
+    waiting = _turns(capped, 3)
+    assert _taken_in_order(waiting, 3) == [waiting[0]]  # 2 running now: the limit
+    assert [Turn.objects.get(id=t).status for t in waiting[1:]] == [Turn.QUEUED, Turn.QUEUED]
+
+
+def test_a_pinned_turn_goes_to_its_worker_until_its_pin_expires():
+    from sessions_app.models import Turn
+
+    (pinned,) = _turns(_tenant(), 1, node="node-holder")
+    assert _taken_in_order([pinned], 1, node="node-other") == []
+    assert Turn.objects.get(id=pinned).status == Turn.QUEUED
+    assert _taken_in_order([pinned], 1, node="node-holder") == [pinned]
+
+    (orphan,) = _turns(_tenant(), 1, node="node-gone")
+    assert _taken_in_order([orphan], 1, node="node-other", pin_seconds=-60) == [orphan]  # its holder is gone
 
 
 def test_the_statement_ending_a_turn_says_whether_others_wait():
@@ -226,37 +215,3 @@ def test_the_statement_ending_a_turn_says_whether_others_wait():
         running, stop_reason="end_turn", cancelled=False, error="", prompt_tokens=0, completion_tokens=0, model_calls=0
     )
     assert again is None
-
-
-def test_a_request_does_not_queue_behind_a_chooser_at_work(monkeypatch):
-    """The chooser's lock is held elsewhere (another process choosing right now): the web
-    request that found a slot free leaves the choice to it instead of waiting (the periodic
-    callers, a worker's heartbeat round and the sweep, still wait for their turn at the lock)."""
-    import time
-
-    import psycopg
-    from django.db import connection
-
-    from sessions_app import dispatch, schedule_store
-    from sessions_app.models import Turn
-
-    (waiting,) = _turns(_tenant(), 1)
-    others = [t for t, _ in schedule_store.fair_order(100_000, 0) if t != waiting]
-    in_flight = schedule_store.slots_in_use()[0]
-    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: in_flight + len(others) + 1)
-    db = connection.settings_dict
-    with psycopg.connect(
-        host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], password=db["PASSWORD"] or None, dbname=db["NAME"]
-    ) as holder:
-        holder_pid = holder.info.backend_pid
-        holder.execute("SELECT pg_advisory_lock(%s)", [dispatch._DISPATCH_LOCK])
-        assert dispatch.choose_next(wait=False) == []  # at once: another chooser is at work
-        assert Turn.objects.get(id=waiting).dispatched_at is None
-    with connection.cursor() as cursor:  # the holder's backend is gone before the test database is dropped
-        for _ in range(100):
-            cursor.execute("SELECT pg_stat_clear_snapshot()")  # else read once per transaction
-            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [holder_pid])
-            if not cursor.fetchone()[0]:
-                break
-            time.sleep(0.02)
-    assert waiting in dispatch.choose_next(wait=False)  # nobody else choosing: this one does

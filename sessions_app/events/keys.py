@@ -32,7 +32,3 @@ def cancel_key(turn_id: str) -> str:
 
 def notify_channel(turn_id: str) -> str:
     return f"aap:evn:{turn_id}"
-
-
-def dispatch_key(turn_id: str) -> str:
-    return f"aap:disp:{turn_id}"

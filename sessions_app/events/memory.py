@@ -30,7 +30,6 @@ class MemoryEvents:
     def __init__(self):
         self._logs: dict[str, _MemoryLog] = {}
         self._leases: dict[str, float] = {}
-        self._dispatched: dict[str, float] = {}
         self._cancelled: set[str] = set()
         self._cancel_handlers: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
@@ -110,18 +109,6 @@ class MemoryEvents:
 
     def lease_alive_sync(self, turn_id: str) -> bool:
         return self._leases.get(turn_id, 0) > time.monotonic()
-
-    def queued_task_ids(self, queue: str) -> set[str]:
-        return set()  # no broker: turns are marked instead
-
-    def mark_dispatched_sync(self, turn_id: str, ttl: float) -> None:
-        self._dispatched[turn_id] = time.monotonic() + ttl
-
-    def dispatched_sync(self, turn_id: str) -> bool:
-        return self._dispatched.get(turn_id, 0) > time.monotonic()
-
-    def clear_dispatched_sync(self, turn_id: str) -> None:
-        self._dispatched.pop(turn_id, None)
 
     def request_cancel_sync(self, turn_id: str) -> None:
         self._cancelled.add(turn_id)

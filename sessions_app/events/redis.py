@@ -22,7 +22,6 @@ from .fence import StreamEnded
 from .keys import (
     CANCEL_CHANNEL,
     cancel_key,
-    dispatch_key,
     ended_key,
     lease_key,
     live_stream_ttl,
@@ -262,27 +261,6 @@ class RedisEvents:
 
     def lease_alive_sync(self, turn_id: str) -> bool:
         return bool(self.sync.exists(lease_key(turn_id)))
-
-    # the broker (Kombu keeps a queue in this Redis as a list of JSON messages)
-    def queued_task_ids(self, queue: str) -> set[str]:
-        """The ids of the tasks waiting on a Celery queue (not yet taken by a worker)."""
-        ids = set()
-        for raw in self.sync.lrange(queue, 0, -1):
-            try:
-                ids.add(json.loads(raw)["headers"]["id"])
-            except (ValueError, KeyError, TypeError):
-                continue  # not a Celery task message
-        return ids
-
-    # dispatch marks: a turn sent to one worker's queue, in the broker's own Redis (they vanish together)
-    def mark_dispatched_sync(self, turn_id: str, ttl: float) -> None:
-        self.sync.set(dispatch_key(turn_id), "1", px=int(ttl * 1000))
-
-    def dispatched_sync(self, turn_id: str) -> bool:
-        return bool(self.sync.exists(dispatch_key(turn_id)))
-
-    def clear_dispatched_sync(self, turn_id: str) -> None:
-        self.sync.delete(dispatch_key(turn_id))
 
     # cancel
     def request_cancel_sync(self, turn_id: str) -> None:

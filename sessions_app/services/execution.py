@@ -112,47 +112,24 @@ def _output_json(turn_id: str) -> str | None:
     return dumps(shaped) if shaped else None
 
 
-def turn_execute(turn_id: str, *, claimed: turn_store.ClaimedTurn | None = None) -> bool:
-    """Run a queued turn to its end and persist it. Safe to call twice (the second is a no-op).
-    `claimed`: a worker thread already took it (sessions_app.worker.take_next); otherwise it
-    came through the broker and is claimed here.
-
-    Returns whether other turns were waiting for a worker slot as it ended (True when that is
-    not known): the thread then offers its slot to them."""
+def turn_execute(turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
+    """Run a turn a worker thread claimed (schedule_store.claim_next) to its end and persist
+    it. Returns whether other turns were waiting for a worker slot as it ended (True when
+    that is not known): the thread then claims the next."""
     backend = events.backend()
     try:
         backend.set_lease_sync(turn_id)  # the Redis lease backs up the PostgreSQL heartbeat
     except Exception as exc:
         logger.warning("no Redis lease for turn %s (%s); its heartbeat stands alone", turn_id, type(exc).__name__)
-    marked = claimed is None
-    if claimed is None:
-        # One conditional UPDATE claims the turn: a second delivery of the task finds nothing to do.
-        try:
-            claimed = _with_db_retry(turn_store.claim_turn, turn_id)
-        except DB_ERRORS:
-            try:
-                backend.clear_dispatched_sync(turn_id)  # the outbox dispatches it again once PostgreSQL is back
-            except Exception:
-                pass
-            raise
-        if claimed is None:
-            return True
     metrics.turn_claimed(claimed.waited)
     liveness.track(turn_id, None if claimed.stream == "delta" else lambda: _output_json(turn_id))
     try:
-        return _execute_claimed(turn_id, claimed, marked)
+        return _execute_claimed(turn_id, claimed)
     finally:
         liveness.untrack(turn_id)
 
 
-def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn, marked: bool) -> bool:
-    # Only a turn sent to one worker's queue (it answers permissions) and the embedded mode's
-    # are marked (dispatch._send); the shared queue is read instead.
-    if marked and (claimed.permissions or not settings.REDIS_URL):
-        try:
-            events.backend().clear_dispatched_sync(turn_id)
-        except Exception:
-            pass  # the mark expires by itself
+def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
     session = claimed.session or _with_db_retry(turn_store.session_for_turn, claimed.session_pk)
     if session is None:
         return True

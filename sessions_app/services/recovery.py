@@ -1,5 +1,5 @@
 """Lost turns: a running turn whose worker is gone (stale heartbeat, lapsed lease) ends with
-`error`, keeping what it produced; a queued turn whose dispatch was lost is dispatched again."""
+`error`, keeping what it produced."""
 
 from __future__ import annotations
 
@@ -101,14 +101,14 @@ _LIVENESS_FIELDS = ("status", "created_at", "session_id", "heartbeat_at", "start
 
 
 def turn_recover_if_lost(turn_id: str) -> bool:
-    """End the turn with `error` if its worker is gone; dispatch it again if it is queued
-    and its dispatch was lost; give a finished turn's stream its missing `turn_stop`.
-    Returns True if the turn is over."""
+    """End the turn with `error` if its worker is gone; give a finished turn's stream its
+    missing `turn_stop`. Returns True if the turn is over (a queued one waits for a worker)."""
     turn = Turn.objects.filter(id=turn_id).only(*_LIVENESS_FIELDS).first()
     if turn is None:
         return True
     if turn.status == Turn.QUEUED:
-        dispatch.redispatch_if_lost(turn.id, turn.created_at)
+        if not settings.REDIS_URL:
+            dispatch.wake()  # the embedded worker starts with the first turn after a restart
         return False
     if turn.status == Turn.DONE:
         publish_stop_if_missing(turn_id)
@@ -124,15 +124,9 @@ def turn_recover_if_lost(turn_id: str) -> bool:
 
 
 def sweep_stale_turns() -> int:
-    """End every lost turn, dispatch queued turns whose dispatch was lost, forget expired
-    Idempotency-Keys (run periodically); returns how many turns were ended.
-
-    Each part stands alone: a Redis that is down or full (nothing can be dispatched or
-    published) does not keep the lost turns, read from PostgreSQL, from being ended."""
-    try:
-        dispatch.dispatch_pending()
-    except Exception as exc:
-        logger.warning("the sweep could not dispatch queued turns again (%s)", type(exc).__name__)
+    """End every lost turn, forget expired Idempotency-Keys (run periodically); returns how
+    many turns were ended. It reads PostgreSQL only: a Redis that is down or full (nothing
+    can be published) does not keep the lost turns from being ended."""
     idempotency_keys.forget_expired()
     ended = 0
     for turn_id in Turn.objects.filter(status=Turn.RUNNING).values_list("id", flat=True):

@@ -1,5 +1,5 @@
 """Starting and cancelling turns: a turn is validated against its session, stored with its
-incoming messages and `turn_start` published in one transaction, then dispatched."""
+incoming messages and `turn_start` published in one transaction, then a worker is woken."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from django.db import transaction
 
 from agents.runtimes import runtime_for
 from agents.selectors import agent_definition
-from hosting import metrics
+from hosting import metrics, tracing
 from hosting.service_errors import BadRequest, Conflict, NotFound
 
 from .. import admission, dispatch, events, idempotency_keys, turn_store
@@ -115,8 +115,10 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         turn = Turn(id=new_turn_id(), session_id=session.pk, stream=mode, permissions=permissions)
         # Permission answers go to the worker holding the prompt that waits on them (ACP).
         node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
-        room = None if node else dispatch.room_for(turn.id, tenant)
-        turn_store.insert_turn(turn.id, session.pk, mode, permissions, dispatched=bool(room and room.takes_slot))
+        room = None if node or mode == "none" else dispatch.room_for(turn.id, tenant)
+        turn_store.insert_turn(
+            turn.id, session.pk, mode, permissions, node=node or "", trace_parent=tracing.trace_parent()
+        )
         incoming = tool_messages if session.pending_calls else messages
         turn_store.insert_messages(session.pk, session.message_seq + 1, incoming, turn_id=turn.id)
         turn_store.update_session(
@@ -132,12 +134,11 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         start_meta = {"turnId": turn.id}
         # Every worker slot is taken, or others wait: where the turn stands among them (for
         # a stream; `stream: "none"` answers once the turn is over, and shows no turn_start).
-        waits = room is not None and not room.takes_slot and mode != "none"
-        queued = dispatch.queued_place(turn.id, room) if waits else None
+        queued = dispatch.queued_place(turn.id, room) if room is not None and not room.takes_slot else None
         if queued:
             start_meta["queued"] = queued
         events.backend().publish_sync(turn.id, 1, {"event": "turn_start", "_meta": start_meta})
-        transaction.on_commit(lambda: dispatch.dispatch(turn.id, node=node, room=room))
+        transaction.on_commit(lambda: dispatch.wake(node))
     metrics.turn_started(agent=agent.name, tenant=tenant.name, stream=mode)
     return turn
 
@@ -151,14 +152,11 @@ def _lock_session(tenant, session_id: str) -> turn_store.SessionRow:
 
 def _end_active_if_lost(row: turn_store.SessionRow) -> bool:
     """The session's active turn is over, or was lost and is now ended. Inside the
-    transaction that locked the session. A queued turn is never over: it waits (and is
-    dispatched again if its dispatch was lost)."""
+    transaction that locked the session. A queued turn is never over: it waits for a worker."""
     turn = Turn.objects.filter(id=row.active_turn_id).first()
     if turn is None:
         return True
     if turn.status == Turn.QUEUED:
-        turn_id, created_at = turn.id, turn.created_at
-        transaction.on_commit(lambda: dispatch.redispatch_if_lost(turn_id, created_at))
         return False
     return finalize_if_lost(turn, Session.objects.get(pk=row.pk))
 

@@ -34,7 +34,7 @@ CHAOS_ENV = {
     "AAP_SSE_PING_SECONDS": "1",
     "AAP_TURN_LEASE_SECONDS": "3",
     "AAP_STREAM_RETRY_SECONDS": "20",
-    "AAP_TURN_DISPATCH_GRACE_SECONDS": "3",
+    "AAP_WORKER_POLL_SECONDS": "1",
     "AAP_DB_RETRY_SECONDS": "60",
     "DATABASE_POOL_TIMEOUT": "10",
     # Faults, not fair share: the tenant's limits would refuse the burst with 429 at the door.

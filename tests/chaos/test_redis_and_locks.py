@@ -131,9 +131,8 @@ def _lost_turn(db: Database, session: str) -> str:
             conn.execute(
                 "INSERT INTO sessions_app_turn (id, session_id, status, stream, stop_reason, cancelled, permissions, "
                 "error, prompt_tokens, completion_tokens, model_calls, created_at, started_at, heartbeat_at, partial, "
-                "output_seq, dispatched_at) VALUES (%s, %s, 'running', 'none', '', false, '[]', '', 0, 0, 0, "
-                "now() - interval '1 hour', now() - interval '1 hour', now() - interval '1 hour', '', 0, "
-                "now() - interval '1 hour')",
+                "output_seq) VALUES (%s, %s, 'running', 'none', '', false, '[]', '', 0, 0, 0, "
+                "now() - interval '1 hour', now() - interval '1 hour', now() - interval '1 hour', '', 0)",
                 [turn_id, session_pk],
             )
             conn.execute(

@@ -1,6 +1,6 @@
 """Crash recovery on the production stack: a worker killed mid-turn ends its turn with
 `error` for whoever listens, what it produced and the incoming message stay in history, and
-the session takes the next turn; a turn whose task Redis lost is dispatched again."""
+the session takes the next turn; a turn whose wake-up Redis lost runs anyway."""
 
 from __future__ import annotations
 
@@ -68,15 +68,16 @@ def test_worker_killed_mid_turn_answers_a_waiting_none_request_with_error(pg_sta
     assert checked_turn(demo, session, user("next")).messages == text_reply("echo: next")
 
 
-def test_turn_whose_task_was_lost_with_redis_data_is_dispatched_again(pg_stack, demo):
+def test_turn_whose_wake_up_was_lost_with_redis_data_runs_anyway(pg_stack, demo):
+    """A turn waits in PostgreSQL only: the broker carries a wake-up, and a worker with a free
+    thread looks for waiting turns on its own (AAP_WORKER_POLL_SECONDS)."""
     session = demo.create_session("echo")
     broker = redis.Redis.from_url(pg_stack.env["REDIS_URL"])
     with worker_restored(pg_stack):
         pg_stack.kill_worker()
         waiting = LiveTurn.turn(pg_stack, session, "never lost", stream="none")
-        wait_until(lambda: broker.llen("aap-turns") > 0, message="the task in the broker queue")
-        # Redis loses its data (a restart without persistence): the task and its dispatch mark
-        broker.delete("aap-turns", *broker.keys("aap:disp:*"))
+        wait_until(lambda: broker.llen("aap-turns") > 0, message="the wake-up in the broker queue")
+        broker.delete("aap-turns")  # Redis loses its data (a restart without persistence)
     waiting.wait_end(timeout=60)
     assert waiting.status == 200
     body = json.loads(waiting.raw)
@@ -86,19 +87,19 @@ def test_turn_whose_task_was_lost_with_redis_data_is_dispatched_again(pg_stack, 
     assert checked_turn(demo, session, user("and now?"), stream="message").messages == text_reply("echo: and now?")
 
 
-def test_turn_taken_by_a_worker_that_died_before_claiming_it_is_dispatched_again(pg_stack, demo):
+def test_turn_whose_wake_up_a_dying_worker_took_runs_anyway(pg_stack, demo):
     """A message leaves the queue when a worker takes it (no ack emulation): a worker that dies
-    between taking it and claiming the turn leaves the turn dispatched, unclaimed and off the
-    queue. It is sent again; nothing else marks it as on its way."""
+    right after taking a wake-up leaves nothing to reconcile; the turn waits in PostgreSQL
+    and the next worker takes it."""
     session = demo.create_session("echo")
     broker = redis.Redis.from_url(pg_stack.env["REDIS_URL"])
     with worker_restored(pg_stack):
         pg_stack.kill_worker()
         waiting = LiveTurn.turn(pg_stack, session, "taken, then dropped", stream="none")
-        wait_until(lambda: broker.llen("aap-turns") > 0, message="the task in the broker queue")
+        wait_until(lambda: broker.llen("aap-turns") > 0, message="the wake-up in the broker queue")
         taken = json.loads(broker.rpop("aap-turns"))  # what Kombu's BRPOP does for a worker, which then dies
         waiting.wait_for(lambda t: t.headers is not None, what="response headers")
-        assert taken["headers"]["id"] == waiting.turn_id
+        assert taken["headers"]["task"] == "sessions_app.tasks.wake"
         assert broker.llen("aap-turns") == 0
     waiting.wait_end(timeout=60)
     assert waiting.status == 200
