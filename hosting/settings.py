@@ -180,6 +180,12 @@ if DATABASE_URL:
             "min_size": env_int("DATABASE_POOL_MIN", 1),
             "max_size": env_int("DATABASE_POOL_MAX", 20),
             "timeout": env_float("DATABASE_POOL_TIMEOUT", 30.0),
+            # A replacement connection that keeps failing is given up after this long (its
+            # retries back off 1, 2, 4 s...): the next request that finds no connection free
+            # starts a fresh one. psycopg_pool's default (300 s) lets connections terminated
+            # again and again (a failover, a pooler restarting) hold the pool under strength
+            # longer than `timeout`, and requests and finishing turns then fail.
+            "reconnect_timeout": env_float("DATABASE_POOL_RECONNECT_SECONDS", 5.0),
         }
         # Parameters travel apart from the statement, and psycopg prepares a statement a
         # connection has run 5 times: PostgreSQL then skips parsing and planning it, most of
