@@ -31,6 +31,7 @@ urlpatterns = [
     path("v1/sessions/<id:session_id>", aap.SessionView.as_view(), name="aap-session"),
     path("v1/sessions/<id:session_id>/history", aap.HistoryView.as_view(), name="aap-history"),
     path("v1/sessions/<id:session_id>/turns", aap.TurnsView.as_view(), name="aap-turns"),
+    path("v1/sessions/<id:session_id>/turns/<id:turn_id>", aap.TurnView.as_view(), name="aap-turn"),
     path("v1/sessions/<id:session_id>/turns/<id:turn_id>/events", aap.TurnEventsView.as_view(), name="aap-turn-events"),
     path("v1/sessions/<id:session_id>/turns/<id:turn_id>/cancel", aap.TurnCancelView.as_view(), name="aap-turn-cancel"),
     # The v2-era paths under /v1/ say where each surface lives (a v2-era client given /v1 as its base URL).

@@ -166,6 +166,19 @@ def _last_event_id(request) -> int:
     return int(raw)
 
 
+class TurnView(APIView):
+    """`GET /v1/sessions/:id/turns/:turnId` (an extension): a turn's state and, once it has
+    ended, its stored result, from PostgreSQL alone: what a client whose stream broke reads
+    when the turn's events are no longer kept."""
+
+    @extend_schema(
+        summary="A turn's state and stored result",
+        responses={200: OpenApiTypes.OBJECT, **ERRORS},
+    )
+    def get(self, request, session_id, turn_id):
+        return Response(turns.turn_read(tenant=request.user.tenant, session_id=session_id, turn_id=turn_id))
+
+
 class TurnEventsView(APIView):
     # A browser's EventSource cannot send Authorization: it re-attaches with ?ticket=.
     authentication_classes = [BearerTokenAuthentication, EventsTicketAuthentication]
@@ -210,7 +223,10 @@ class TurnEventsView(APIView):
         if turn.status == Turn.DONE:
             last = events.backend().last_sync(turn.id)
             if last is None:
-                raise NotFound(f"The events of turn '{turn_id}' are no longer kept; read the session's history.")
+                raise NotFound(
+                    f"The events of turn '{turn_id}' are no longer kept; GET "
+                    f"/v1/sessions/{session_id}/turns/{turn_id} gives its stored result."
+                )
             if last[1].get("event") == "turn_stop" and last[0] <= after:
                 # The reader has everything: 204 tells an EventSource to stop reconnecting.
                 return Response(status=status.HTTP_204_NO_CONTENT)

@@ -12,7 +12,7 @@ from hosting.service_errors import BadRequest, Conflict, NotFound
 
 from .. import admission, dispatch, events, idempotency_keys, turn_store
 from ..models import IdempotencyKey, Session, Turn, new_turn_id
-from . import sessions
+from . import endings, sessions
 from .recovery import finalize_if_lost
 from .validation import (
     answers_for_pending,
@@ -159,6 +159,18 @@ def _end_active_if_lost(row: turn_store.SessionRow) -> bool:
     if turn.status == Turn.QUEUED:
         return False
     return finalize_if_lost(turn, Session.objects.get(pk=row.pk))
+
+
+def turn_read(*, tenant, session_id: str, turn_id: str) -> dict:
+    """A turn's state (`queued`, `running`, `done`) and, once done, its stored result: the
+    body a `stream: "none"` request answers (stop reason, the messages it produced, usage)."""
+    turn = Turn.objects.filter(id=turn_id, session__public_id=session_id, session__tenant=tenant).first()
+    if turn is None:
+        raise NotFound(f"No turn '{turn_id}' exists on session '{session_id}' for this token's tenant.")
+    if turn.status != Turn.DONE:
+        return {"turnId": turn.id, "status": turn.status}
+    result = endings.turn_result(turn.id) or {}
+    return {"turnId": turn.id, "status": turn.status, **result}
 
 
 def turn_cancel(*, tenant, session_id: str, turn_id: str) -> Turn:
