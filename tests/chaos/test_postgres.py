@@ -78,12 +78,14 @@ def test_flapping_connections_fail_no_finished_turn(chaos):
     url = chaos.pg.url.replace("postgres://", "postgresql://", 1)
     with ThreadPoolExecutor(25) as pool:
         killer = pool.submit(_terminate_backends, url, stop, 2.0)
-        turns = []
-        for i, session in enumerate(sessions):
-            turns.append(pool.submit(post_turn, chaos, session, text, stream=MODES[i % 3]))
-            time.sleep(0.25)
-        outcomes = [f.result(timeout=180) for f in turns]
-        stop.set()
+        try:
+            turns = []
+            for i, session in enumerate(sessions):
+                turns.append(pool.submit(post_turn, chaos, session, text, stream=MODES[i % 3]))
+                time.sleep(0.25)
+            outcomes = [f.result(timeout=180) for f in turns]
+        finally:
+            stop.set()  # never left running for the tests after this one
         assert killer.result(timeout=30) > 0
     no_server_errors(outcomes)
     accepted = [(s, o) for s, o in zip(sessions, outcomes) if o.status != 503]

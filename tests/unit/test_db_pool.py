@@ -71,3 +71,40 @@ def test_the_backend_installs_its_check_and_reset_on_djangos_pool(monkeypatch):
     wrapper = base.DatabaseWrapper.__new__(base.DatabaseWrapper)
     assert wrapper.pool is pool
     assert pool._check is base.check and pool._reset is base.returned
+
+
+def test_a_dead_connection_at_checkout_sweeps_the_pools_other_idle_ones_once(monkeypatch):
+    """Connections die together (a restart, terminated backends): one found dead starts one
+    check of every idle connection of its pool, on a thread, while the client backs off."""
+    import threading
+
+    from psycopg_pool import ConnectionPool
+
+    swept = threading.Event()
+    release = threading.Event()
+
+    class Pool:
+        calls = 0
+
+        def check(self):
+            Pool.calls += 1
+            swept.set()
+            release.wait(5)
+
+    def dead(c):
+        raise OSError("server closed the connection")
+
+    monkeypatch.setattr(ConnectionPool, "check_connection", staticmethod(dead))
+    first, second = Conn(), Conn()
+    first._pool = second._pool = Pool()
+    with pytest.raises(OSError):
+        base.check(first)
+    assert swept.wait(5)
+    with pytest.raises(OSError):
+        base.check(second)  # a sweep is at work already: no second one
+    release.set()
+    for _ in range(100):
+        if not base._sweeping.locked():
+            break
+        threading.Event().wait(0.01)
+    assert Pool.calls == 1 and not base._sweeping.locked()
