@@ -172,6 +172,9 @@ MAYBE_SURROGATE = (re.compile(rb"\\u[dD][89a-fA-F]"), re.compile(rb"\xed[\xa0-\x
 class LimitedJSONParser(JSONParser):
     """JSON parser that enforces AAP_MAX_BODY_BYTES on every body, chunked or not."""
 
+    def check_before_parse(self, raw: bytes) -> None:
+        """A subclass's look at a UTF-8 body before it is parsed (raise to refuse it)."""
+
     def parse(self, stream, media_type=None, parser_context=None):
         limit = settings.AAP_MAX_BODY_BYTES
         if stream is None:
@@ -181,8 +184,18 @@ class LimitedJSONParser(JSONParser):
             raise body_too_large()
         if not raw.strip():
             raise exceptions.ParseError("the body is empty")
+        import codecs
         import io
         import json
+
+        # The charset JSONParser decodes with; a body in another one is only parsed.
+        encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
+        try:
+            utf8 = codecs.lookup(encoding).name == "utf-8"
+        except LookupError:
+            utf8 = False
+        if utf8:
+            self.check_before_parse(raw)
 
         try:
             data = super().parse(io.BytesIO(raw), media_type, parser_context)
