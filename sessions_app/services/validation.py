@@ -78,8 +78,8 @@ def _outline(raw: bytes, *, seed: bool) -> dict | None:
 
     simdjson validates the whole document (UTF-8, escapes, numbers, structure) and takes no
     document Python's decoder refuses; it refuses some that Python takes (integers past 64
-    bits, lone UTF-16 surrogate escapes, which the parser then refuses itself), and those go
-    to the full parse. So an outline exists only for a body the full parse reads as the same
+    bits; lone UTF-16 surrogate escapes, which LimitedJSONParser then refuses on its own), and
+    those go to the full parse. So an outline exists only for a body the full parse reads as the same
     lists. One exception: a body that also nests arrays or objects deeper than Python's
     decoder follows (about 900 levels in a request; simdjson takes 1024) is refused for its
     count rather than its depth.
