@@ -33,7 +33,7 @@ from .scenarios import Bench
 from .stack import ROOT, BenchStack, raise_fd_limit
 
 # 11 and 5 last: they replace the Celery workers (with a thread for every stream's turn).
-ORDER = ["1", "2", "3", "4", "6", "7", "8", "9", "10", "12", "11", "5"]
+ORDER = ["1", "2", "3", "4", "6", "7", "8", "9", "10", "12", "13", "11", "5"]
 QUICK_BUDGET_SECONDS = 400.0
 
 
@@ -65,6 +65,7 @@ async def run(bench: Bench, only: list[str], started: float, budget: float) -> b
         "10": ("short LLM turns", llm.short_turns),
         "11": ("concurrent LLM streams", llm.concurrent_streams),
         "12": ("create + tool + answer conversation", llm.conversation),
+        "13": ("oversized request refused", bench.oversized_refusal),
         "5": ("open streams", None),
     }
     try:

@@ -49,6 +49,8 @@ class Profile:
     llm_held_steps: tuple[int, ...] = (250,)
     # 8: fair share between tenants (each half: B alone, then B beside a saturating A)
     fair_seconds: float = 5.0
+    # 13: a turn of 200,000 tiny messages refused by count
+    oversize_requests: int = 20
 
 
 QUICK = Profile("quick")
@@ -72,6 +74,7 @@ FULL = replace(
     llm_session_turns=1000,
     llm_burst_steps=(250, 500, 1000),
     llm_held_steps=(250, 500, 1000),
+    oversize_requests=50,
 )
 
 SMOKE = replace(
@@ -100,6 +103,7 @@ SMOKE = replace(
     llm_concurrency=(1, 8),
     llm_burst_steps=(20,),
     llm_held_steps=(20,),
+    oversize_requests=3,
 )
 
 PROFILES = {p.name: p for p in (QUICK, FULL, SMOKE)}

@@ -24,6 +24,8 @@ from .report import Row
 from .stack import ROOT, BenchStack, cpu_seconds, rss_kib, threads
 
 MS = 1000.0
+# The stack's AAP_MAX_TURN_MESSAGES (hosting/settings.py's default; BenchStack sets none).
+AAP_MAX_TURN_MESSAGES = 256
 PG_WAIT_SECONDS = float(os.environ.get("BENCH_PG_WAIT_SECONDS", "15"))
 
 
@@ -418,6 +420,59 @@ class Bench:
                             met=ratio <= 1.2,
                         )
                     )
+
+    # --- 13 --------------------------------------------------------------------------------
+
+    async def oversized_refusal(self) -> None:
+        """A turn of 200,000 tiny messages (under the body limit) refused with its 400: Daphne's
+        CPU and the latency per refusal, requests one at a time on one session."""
+        count, target_ms = 200_000, 100.0
+        raw = json.dumps({"messages": [{"role": "user", "content": "hi"}] * count}).encode()
+        expected = f"at most {AAP_MAX_TURN_MESSAGES} messages"
+        errors, latencies = Errors(), []
+        sid = await self.api.create_session()
+        daphne = self.stack.web.pid
+
+        async def refuse() -> float:
+            t0 = time.perf_counter()
+            async with self.api.http.post(
+                f"/v1/sessions/{sid}/turns", data=raw, headers={"Content-Type": "application/json"}
+            ) as response:
+                body = await response.read()
+            elapsed = time.perf_counter() - t0
+            if response.status != 400 or expected.encode() not in body:
+                errors.add(f"expected 400 ({expected}), got {response.status}: {body[:200]!r}")
+            return elapsed
+
+        for _ in range(2):  # warm-up: the first request imports what the refusal uses
+            await refuse()
+        cpu0 = cpu_seconds(daphne)
+        for _ in range(self.p.oversize_requests):
+            latencies.append(await refuse())
+        cpu_ms = (cpu_seconds(daphne) - cpu0) / self.p.oversize_requests * MS
+        self.details["oversized_refusal"] = {"bytes": len(raw), "messages": count, "daphne_cpu_ms": cpu_ms}
+        self.add(
+            latency_row(
+                "13",
+                f"turn of {count:,} tiny messages ({len(raw) / 1e6:.1f} MB) refused with 400: latency",
+                latencies,
+                errors=errors,
+            )
+        )
+        self.add(
+            Row(
+                "13",
+                f"Daphne CPU per refusal of {count:,} messages",
+                "ms",
+                value=cpu_ms,
+                n=self.p.oversize_requests,
+                target=f"≤ {target_ms:.0f} ms",
+                met=cpu_ms <= target_ms if not errors.count else False,
+                errors=errors.count,
+                error_samples=list(errors.samples),
+                note=f"{self.p.oversize_requests} requests one after another; includes reading the body over HTTP",
+            )
+        )
 
     # --- 7 ---------------------------------------------------------------------------------
 

@@ -163,12 +163,17 @@ def exception_handler(exc, context):
     )
 
 
-# A \uD800-\uDFFF escape, or the UTF-8 bytes of a surrogate (ED A0-BF ..).
-MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# A \uD800-\uDFFF escape, or the UTF-8 bytes of a surrogate (ED A0-BF ..): two patterns, each
+# with a literal first byte the regex engine scans for quickly (one alternation of both reads a
+# body six times slower).
+MAYBE_SURROGATE = (re.compile(rb"\\u[dD][89a-fA-F]"), re.compile(rb"\xed[\xa0-\xbf]"))
 
 
 class LimitedJSONParser(JSONParser):
     """JSON parser that enforces AAP_MAX_BODY_BYTES on every body, chunked or not."""
+
+    def check_before_parse(self, raw: bytes) -> None:
+        """A subclass's look at a UTF-8 body before it is parsed (raise to refuse it)."""
 
     def parse(self, stream, media_type=None, parser_context=None):
         limit = settings.AAP_MAX_BODY_BYTES
@@ -179,15 +184,25 @@ class LimitedJSONParser(JSONParser):
             raise body_too_large()
         if not raw.strip():
             raise exceptions.ParseError("the body is empty")
+        import codecs
         import io
         import json
+
+        # The charset JSONParser decodes with; a body in another one is only parsed.
+        encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
+        try:
+            utf8 = codecs.lookup(encoding).name == "utf-8"
+        except LookupError:
+            utf8 = False
+        if utf8:
+            self.check_before_parse(raw)
 
         try:
             data = super().parse(io.BytesIO(raw), media_type, parser_context)
             # A lone \ud800-style escape decodes but cannot be stored or sent back as UTF-8.
             # Surrogates come only from such escapes (or surrogate bytes, which JSON's decoder
             # lets through): without either, encoding the whole body again is skipped.
-            if MAYBE_SURROGATE.search(raw):
+            if any(pattern.search(raw) for pattern in MAYBE_SURROGATE):
                 json.dumps(data, ensure_ascii=False).encode()
         except RecursionError:
             raise exceptions.ParseError("it nests arrays or objects too deeply") from None

@@ -250,9 +250,10 @@ CELERY_BEAT_SCHEDULE = {
 AAP_PUBLIC_META = env_bool("AAP_PUBLIC_META", True)
 # Largest request body accepted, in bytes (413 beyond it).
 AAP_MAX_BODY_BYTES = env_int("AAP_MAX_BODY_BYTES", 10 * 1024 * 1024)
-# Requests refused by their size in items, checked on the parsed JSON before any per-message
-# validation (sessions_app/services/validation.check_request_size): a body under the byte limit
-# can still hold 200,000 tiny messages.
+# Requests refused by their size in items before any per-message validation, and from 64 KiB
+# before the body is parsed into Python objects (sessions_app/services/validation:
+# check_body_size, check_request_size): a body under the byte limit can still hold 200,000
+# tiny messages.
 AAP_MAX_TURN_MESSAGES = env_int("AAP_MAX_TURN_MESSAGES", 256)
 AAP_MAX_SEED_MESSAGES = env_int("AAP_MAX_SEED_MESSAGES", 2000)
 AAP_MAX_CONTENT_PARTS = env_int("AAP_MAX_CONTENT_PARTS", 64)

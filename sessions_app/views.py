@@ -21,6 +21,7 @@ from hosting.service_errors import BadRequest, NotFound
 
 from . import events, idempotency_keys, protocol, selectors
 from .models import Turn
+from .parsers import SessionBodyParser, TurnBodyParser
 from .services import sessions, turns
 from .services.validation import check_request_size
 from .streaming import turn_response
@@ -77,6 +78,8 @@ class MetaView(APIView):
 
 
 class SessionsView(APIView):
+    parser_classes = [SessionBodyParser]
+
     @extend_schema(
         summary="Create a session",
         request=protocol.CreateSessionSerializer,
@@ -141,6 +144,8 @@ TURN_RESPONSES = {
 
 
 class TurnsView(APIView):
+    parser_classes = [TurnBodyParser]
+
     @extend_schema(
         summary="Send a turn",
         request=protocol.TurnRequestSerializer,

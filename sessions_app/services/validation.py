@@ -1,11 +1,14 @@
 """Checks of a session's or a turn's request against its agent: options (secrets encrypted),
 server tools, client tools, images, stream mode, and answers to pending tool calls; and,
-before any of them, of its size in items (`check_request_size`)."""
+before any of them, of its size in items (`check_request_size`, and `check_body_size` on the
+raw body before it is parsed into Python objects)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import simdjson
 from django.conf import settings
 
 from agents.models import Agent, AgentOption
@@ -54,6 +57,80 @@ def check_request_size(data: Any, *, seed: bool) -> None:
         raise BadRequest(
             f"A request may declare at most {limit} client tools (AAP_MAX_REQUEST_TOOLS); this one has {len(tools)}."
         )
+
+
+# Below this many bytes the full parse costs well under a millisecond: no early count.
+EARLY_COUNT_MIN_BYTES = 64 * 1024
+# What `check_body_size` reads: an object, after JSON's own whitespace only (a leading byte
+# order mark, which Python's decoder refuses and simdjson skips, leaves it to the full parse).
+_JSON_OBJECT_START = re.compile(rb"[ \t\n\r]*\{")
+
+
+def _unique_keys(obj: simdjson.Object) -> bool:
+    # simdjson answers the first of repeated keys, Python's decoder keeps the last.
+    keys = list(obj.keys())
+    return len(set(keys)) == len(keys)
+
+
+def _outline(raw: bytes, *, seed: bool) -> dict | None:
+    """The lists `check_request_size` measures, as lists of the same lengths, read from the
+    raw body without building its objects; None when only the full parse can say.
+
+    simdjson validates the whole document (UTF-8, escapes, numbers, structure) and takes no
+    document Python's decoder refuses; it refuses some that Python takes (integers past 64
+    bits; lone UTF-16 surrogate escapes, which LimitedJSONParser then refuses on its own), and
+    those go to the full parse. So an outline exists only for a body the full parse reads as the same
+    lists. One exception: a body that also nests arrays or objects deeper than Python's
+    decoder follows (about 900 levels in a request; simdjson takes 1024) is refused for its
+    count rather than its depth.
+    """
+    limit = settings.AAP_MAX_SEED_MESSAGES if seed else settings.AAP_MAX_TURN_MESSAGES
+    if not limit or not _JSON_OBJECT_START.match(raw):
+        return None
+    parser = simdjson.Parser()
+    try:
+        document = parser.parse(raw)
+    except (ValueError, RuntimeError):  # not JSON, or JSON that simdjson does not take
+        return None
+    if not isinstance(document, simdjson.Object) or not _unique_keys(document):
+        return None
+    outline: dict[str, Any] = {}
+    messages = document.get("messages")
+    if isinstance(messages, simdjson.Array):
+        count = len(messages)
+        if count > limit or not settings.AAP_MAX_CONTENT_PARTS:
+            outline["messages"] = [None] * count  # no message of it is read
+        else:
+            outline["messages"] = []
+            for message in messages:
+                if not isinstance(message, simdjson.Object):
+                    outline["messages"].append(None)
+                    continue
+                if not _unique_keys(message):
+                    return None
+                content = message.get("content")
+                parts = [None] * len(content) if isinstance(content, simdjson.Array) else None
+                outline["messages"].append({"content": parts})
+    tools = document.get("tools")
+    if isinstance(tools, simdjson.Array):
+        outline["tools"] = [None] * len(tools)
+    return outline
+
+
+def check_body_size(raw: bytes, *, seed: bool) -> None:
+    """`check_request_size` on a raw UTF-8 JSON body, before it is parsed into Python objects.
+
+    Building 200,000 dicts costs more than the web should spend on a request it refuses:
+    simdjson reads the body into its own tape instead, and the lists are counted there.
+    Refuses with the very sentence `check_request_size` gives on the parsed body, and only a
+    body the full parse would accept (see `_outline`); any other body, and one under
+    EARLY_COUNT_MIN_BYTES, goes on to the full parse and its checks unchanged.
+    """
+    if len(raw) < EARLY_COUNT_MIN_BYTES:
+        return
+    outline = _outline(raw, seed=seed)
+    if outline is not None:
+        check_request_size(outline, seed=seed)
 
 
 def _declared_options(agent: Agent | AgentDefinition) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from hosting.service_errors import BadRequest
 
 from .. import protocol, selectors
 from .. import views as v3
+from ..parsers import SessionBodyParser, TurnBodyParser
 from ..services import sessions, turns
 from ..services.validation import check_request_size
 from ..streaming import HANDOFF_HEADER, turn_response
@@ -51,6 +52,8 @@ class MetaView(v3.MetaView):
 
 
 class SessionCreateView(APIView):
+    parser_classes = [SessionBodyParser]
+
     @extend_schema(
         summary="Create a session and run its first turn",
         request=shapes.V2CreateSessionSerializer,
@@ -75,6 +78,8 @@ class SessionCreateView(APIView):
 
 
 class SessionView(APIView):
+    parser_classes = [TurnBodyParser]
+
     @extend_schema(
         summary="Send a turn",
         request=shapes.V2TurnRequestSerializer,

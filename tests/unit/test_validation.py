@@ -172,3 +172,72 @@ def test_a_history_message_in_a_turn_is_refused_saying_where_it_belongs(pending,
     messages = [{"role": role, "content": "x"}, {"role": "user", "content": "hi"}]
     with pytest.raises(BadRequest, match=f"'{role}' messages only seed the history a session is created with"):
         answers_for_pending(pending, messages)
+
+
+def _answer(check, *args, **kwargs) -> str | None:
+    try:
+        check(*args, **kwargs)
+    except BadRequest as exc:
+        return exc.message
+    return None
+
+
+def _body(rng) -> bytes:
+    """A JSON body over 64 KiB whose messages, content parts and tools straddle the limits,
+    with the shapes the check must read alike: scalars, repeated keys, escaped key names."""
+
+    def message():
+        kind = rng.random()
+        if kind < 0.1:
+            return rng.choice(["1", "null", '"text"', "[]"])
+        content = rng.choice(['"hi"', "[" + ", ".join(['{"type": "text", "text": "a"}'] * rng.choice([1, 3, 4])) + "]"])
+        if kind < 0.15:  # repeated key: Python keeps the last
+            return '{"role": "user", "content": [1, 2, 3, 4], "content": ' + content + "}"
+        if kind < 0.2:
+            return '{"role": "user", "cont\\u0065nt": ' + content + "}"
+        return '{"role": "user", "content": ' + content + "}"
+
+    parts = [f'"pad": "{"x" * 70_000}"']
+    if rng.random() < 0.9:
+        parts.append('"messages": [' + ", ".join(message() for _ in range(rng.choice([0, 1, 5, 6, 7]))) + "]")
+    if rng.random() < 0.1:
+        parts.append('"messages": "not a list"')
+    if rng.random() < 0.5:
+        parts.append('"tools": [' + ", ".join(["{}"] * rng.choice([0, 2, 3])) + "]")
+    rng.shuffle(parts)
+    return ("{" + ", ".join(parts) + "}").encode()
+
+
+@pytest.mark.parametrize("seed", [True, False])
+def test_the_count_before_the_parse_answers_as_the_parsed_body_does(settings, seed):
+    import json
+    import random
+
+    from sessions_app.services.validation import check_body_size, check_request_size
+
+    settings.AAP_MAX_TURN_MESSAGES = settings.AAP_MAX_SEED_MESSAGES = 5
+    settings.AAP_MAX_CONTENT_PARTS = 3
+    settings.AAP_MAX_REQUEST_TOOLS = 2
+    rng, refused = random.Random(33), 0
+    for _ in range(300):
+        raw = _body(rng)
+        parsed = _answer(check_request_size, json.loads(raw), seed=seed)
+        early = _answer(check_body_size, raw, seed=seed)
+        # The early count refuses only what the parsed body refuses, with the same sentence;
+        # what it cannot judge (repeated keys), it leaves to the parsed body.
+        assert early in (None, parsed), raw[-300:]
+        refused += early is not None
+    assert refused > 50  # the positive control: most refusals happen before the parse
+
+
+def test_the_count_before_the_parse_leaves_small_bodies_and_non_objects_alone(settings):
+    from sessions_app.services.validation import check_body_size
+
+    settings.AAP_MAX_TURN_MESSAGES = 1
+    small = b'{"messages": [1, 2]}'
+    with pytest.raises(BadRequest):
+        check_body_size(small + b" " * 70_000, seed=False)  # the positive control
+    assert _answer(check_body_size, small, seed=False) is None
+    assert _answer(check_body_size, b"\xef\xbb\xbf" + small + b" " * 70_000, seed=False) is None
+    assert _answer(check_body_size, b"[" + small + b"]" + b" " * 70_000, seed=False) is None
+    assert _answer(check_body_size, small[:-1] + b" " * 70_000, seed=False) is None  # not JSON
