@@ -49,6 +49,8 @@ ASKED = "The MCP server '{}' is being listed by a worker."
 _cache: dict[int, tuple[object, float, list[dict], dict]] = {}
 # agent id -> (revision, when a worker was asked to list it): asked once per revision and minute
 _asked: dict[int, tuple[object, float]] = {}
+# agent id -> held while this worker lists the agent
+_listing: dict[int, threading.Lock] = {}
 _lock = threading.Lock()
 
 
@@ -164,12 +166,15 @@ def list_in_worker(agent_id: int) -> None:
     revision is listed already (the task may arrive twice, or after a newer one)."""
     from .models import Agent, McpToolList
 
-    agent = Agent.objects.prefetch_related("options", "server_tools").filter(pk=agent_id).first()
-    if agent is None or not agent.enabled or not hosts_mcp_servers(agent):
-        return
-    if not stale(agent, McpToolList.objects.filter(agent_id=agent.pk).first()):
-        return
-    refresh(agent)
+    with _lock:
+        lock = _listing.setdefault(agent_id, threading.Lock())
+    with lock:  # asked twice at once (by a command and a /meta): listed once, the other reads it
+        agent = Agent.objects.prefetch_related("options", "server_tools").filter(pk=agent_id).first()
+        if agent is None or not agent.enabled or not hosts_mcp_servers(agent):
+            return
+        if not stale(agent, McpToolList.objects.filter(agent_id=agent.pk).first()):
+            return
+        refresh(agent)
 
 
 def refresh(agent) -> tuple[list[dict], dict]:

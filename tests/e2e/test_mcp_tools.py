@@ -430,11 +430,7 @@ def test_npm_filesystem_server_writes_and_reads_its_own_directory_only(files_sta
 # --- discovery: in a worker, never in the web process -----------------------------------------
 
 
-def test_the_web_never_starts_a_stdio_mcp_server_a_worker_lists_them(pg_stack, model, demo, db_access):
-    from django.utils import timezone
-
-    from agents.models import Agent
-
+def test_the_web_never_starts_a_stdio_mcp_server_a_worker_lists_them(pg_stack, model, demo):
     name = f"llm-listed-{uuid.uuid4().hex[:6]}"
     agent = {
         "name": name,
@@ -444,7 +440,7 @@ def test_the_web_never_starts_a_stdio_mcp_server_a_worker_lists_them(pg_stack, m
             {"type": "text", "name": "baseUrl", "default": model.url},
         ],
     }
-    web_log = pg_stack.log_dir / f"{pg_stack.name}-web.log"
+    web_log = pg_stack.log_dir / f"{pg_stack.name}-daphne.log"
     worker_log = pg_stack.log_dir / f"{pg_stack.name}-celery.log"
     started = f"MCP server {name}/discovery/time started"
     pg_stack.apply_agents([agent])  # asks a worker to list the servers
@@ -452,7 +448,8 @@ def test_the_web_never_starts_a_stdio_mcp_server_a_worker_lists_them(pg_stack, m
         listed(pg_stack, name, {"time__get_current_time"})
         assert worker_log.read_text().count(started) == 1  # the positive control: the worker started it
         # A revision nobody listed (a raw UPDATE): /meta, served by the web, asks a worker.
-        Agent.objects.filter(name=name).update(updated_at=timezone.now())
+        bump = "from django.utils import timezone; from agents.models import Agent; "
+        pg_stack.manage("shell", "-c", bump + f"Agent.objects.filter(name={name!r}).update(updated_at=timezone.now())")
         assert "time__get_current_time" in tools_of(demo, name)  # the earlier list meanwhile
         wait_until(lambda: worker_log.read_text().count(started) == 2, timeout=60, message="listed again")
         assert "time__get_current_time" in tools_of(demo, name)
