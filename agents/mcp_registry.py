@@ -44,6 +44,7 @@ logger = logging.getLogger("agents.mcp")
 RETRY_SECONDS = 60.0  # a server that could not be listed is tried again after this long
 LIST_TASK = "agents.tasks.list_mcp_tools"  # sent by name (agents.tasks)
 ASKED = "The MCP server '{}' is being listed by a worker."
+UNASKED = "The MCP server '{}' will be listed by a worker: the broker is unreachable now; the next read of the agent asks again."
 
 # agent id -> (revision, when read, tools)
 _cache: dict[int, tuple[object, float, list[dict], dict]] = {}
@@ -184,8 +185,8 @@ def refresh(agent) -> tuple[list[dict], dict]:
 
     servers = servers_of(agent.runtime_config)
     if listed_by_a_worker(agent):
-        request_listing(agent, again=True)
-        return [], {server.name: ASKED.format(server.name) for server in servers}
+        said = ASKED if request_listing(agent, again=True) else UNASKED
+        return [], {server.name: said.format(server.name) for server in servers}
     options = _defaults(agent)
     listed = _run(
         _discover(agent.name, servers, options), timeout=sum(s.start_timeout + s.timeout for s in servers) + 10

@@ -141,3 +141,25 @@ def test_the_web_never_starts_a_stdio_server_a_worker_lists_it(api, settings, mo
     assert spawned == [("celery@test", f"{name}/discovery/probe")]
     assert {"probe__sh", "probe__env"} <= set(tools())
     assert len(spawned) == 1 and len(sent) == 1
+
+
+def test_with_the_broker_unreachable_the_command_says_so_and_the_next_read_asks_again(api, settings, monkeypatch):
+    from agents.services import agents_apply, mcp_refresh
+    from hosting import broker
+
+    settings.REDIS_URL = settings.REDIS_URL or "redis://127.0.0.1:6379/0"
+    tries = []
+
+    def unreachable(name, task_id, args, queue):
+        tries.append(args)
+        raise ConnectionError("no broker")
+
+    monkeypatch.setattr(broker, "send_task", unreachable)
+    name = f"mcp-{uuid.uuid4().hex[:6]}"
+    agents_apply([entry(name, [{"name": "local", "command": "/bin/false"}])])
+    (line,) = mcp_refresh(name)
+    assert line.endswith(
+        "will be listed by a worker: the broker is unreachable now; the next read of the agent asks again."
+    )
+    info = next(agent for agent in api.get("/v1/meta").json()["agents"] if agent["name"] == name)
+    assert "tools" not in info and len(tries) == 2  # the command's try, then /meta's
