@@ -59,7 +59,8 @@ class AgentAdmin(admin.ModelAdmin):
 
     def _list_mcp_tools(self, request, name: str) -> None:
         for line in mcp_refresh(name):
-            self.message_user(request, line, messages.WARNING if not line.endswith(" tools") else messages.INFO)
+            told = line.endswith((" tools", " is being listed by a worker."))
+            self.message_user(request, line, messages.INFO if told else messages.WARNING)
 
     @admin.display(description="tenants")
     def tenant_list(self, obj):

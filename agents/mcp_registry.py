@@ -7,6 +7,13 @@ keyed on the revision: /meta, session checks and turns read the list, never the 
 yet, whoever needs it first); a server's `notifications/tools/list_changed` stores its new
 list under a new revision of the agent (`store_changed`).
 
+Only a process that runs tenants' processes starts a stdio server: a Celery worker, or the
+web process of the embedded mode (no Redis: it runs the turns). Elsewhere (the web process
+and the commands of a deployment with workers) an agent with a stdio server is listed by a
+worker: `request_listing` sends it the task agents.tasks.list_mcp_tools, and the tools appear
+in /meta once it stored them. An agent with remote servers only is listed where it is needed,
+through the network guard.
+
 Discovery runs each server with the operator's option defaults (no tenant's values), in a
 sandbox unit of its own, and stops it at once.
 """
@@ -19,12 +26,15 @@ import hashlib
 import logging
 import threading
 import time
+import uuid
 from datetime import UTC, datetime
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from hosting import crypto
+from hosting import process as host_process
 
 from .runtimes.acp_bridge import sandbox, workspace
 from .runtimes.mcp_config import Server, servers_of, tool_name
@@ -32,10 +42,28 @@ from .runtimes.mcp_config import Server, servers_of, tool_name
 logger = logging.getLogger("agents.mcp")
 
 RETRY_SECONDS = 60.0  # a server that could not be listed is tried again after this long
+LIST_TASK = "agents.tasks.list_mcp_tools"  # sent by name (agents.tasks)
+ASKED = "The MCP server '{}' is being listed by a worker."
+UNASKED = "The MCP server '{}' will be listed by a worker: the broker is unreachable now; the next read of the agent asks again."
 
 # agent id -> (revision, when read, tools)
 _cache: dict[int, tuple[object, float, list[dict], dict]] = {}
+# agent id -> (revision, when a worker was asked to list it): asked once per revision and minute
+_asked: dict[int, tuple[object, float]] = {}
+# agent id -> held while this worker lists the agent
+_listing: dict[int, threading.Lock] = {}
 _lock = threading.Lock()
+
+
+def starts_stdio_servers_here() -> bool:
+    """Whether this process may start a stdio MCP server: a Celery worker, or the embedded
+    mode's web process (no Redis, no worker: it runs the turns and their sandboxes)."""
+    return bool(host_process.worker_node) or not settings.REDIS_URL
+
+
+def listed_by_a_worker(agent) -> bool:
+    """Whether the agent's servers must be listed by a worker rather than here."""
+    return not starts_stdio_servers_here() and any(s.kind == "stdio" for s in servers_of(agent.runtime_config))
 
 
 def revision_key(value):
@@ -79,20 +107,86 @@ def tools_for(agent) -> tuple[list[dict], dict]:
     from .models import McpToolList
 
     row = McpToolList.objects.filter(agent_id=agent.pk).first()
-    stale = row is None or revision_key(row.revision) != key
-    if not stale and row.problems and (timezone.now() - row.listed_at).total_seconds() > RETRY_SECONDS:
-        stale = True
-    tools, problems = refresh(agent) if stale else (row.tools, row.problems)
+    if stale(agent, row) and listed_by_a_worker(agent):
+        # Never here: a worker lists them. Meanwhile the tools listed for an earlier revision,
+        # of the servers still configured (a call to one whose settings changed uses the new ones).
+        request_listing(agent)
+        names = {server.name for server in servers_of(agent.runtime_config)}
+        tools = [tool for tool in (row.tools if row else []) if tool["server"] in names]
+        listed = {tool["server"] for tool in tools}
+        return tools, {name: ASKED.format(name) for name in names - listed}
+    tools, problems = refresh(agent) if stale(agent, row) else (row.tools, row.problems)
     with _lock:
         _cache[agent.pk] = (key, now, tools, problems)
     return tools, problems
 
 
+def settled(agent) -> bool:
+    """Whether the agent's MCP tools, as this process read them last, are those of its
+    revision (False while a worker lists them)."""
+    if not hosts_mcp_servers(agent):
+        return True
+    cached = _cache.get(agent.pk)
+    return cached is not None and cached[0] == revision_key(agent.updated_at)
+
+
+def stale(agent, row) -> bool:
+    """Whether the stored list (`row`, None when there is none) must be listed again: it is of
+    another revision, or a server could not be listed and a minute has passed."""
+    if row is None or revision_key(row.revision) != revision_key(agent.updated_at):
+        return True
+    return bool(row.problems) and (timezone.now() - row.listed_at).total_seconds() > RETRY_SECONDS
+
+
+def request_listing(agent, *, again: bool = False) -> bool:
+    """Ask a worker to list the agent's servers (agents.tasks.list_mcp_tools): once per
+    revision and minute from this process unless `again`. False (logged) when the broker is
+    unreachable; whoever reads the agent next asks again."""
+    from hosting import broker
+
+    key, now = revision_key(agent.updated_at), time.monotonic()
+    with _lock:
+        asked = _asked.get(agent.pk)
+        if not again and asked is not None and asked[0] == key and now - asked[1] < RETRY_SECONDS:
+            return True
+        _asked[agent.pk] = (key, now)
+    task_id = f"mcp-list-{agent.pk}-{uuid.uuid4().hex}"
+    try:
+        broker.send_task(LIST_TASK, task_id, (agent.pk,), settings.CELERY_TASK_DEFAULT_QUEUE)
+    except Exception as exc:
+        with _lock:
+            _asked.pop(agent.pk, None)
+        logger.warning("asking a worker to list the MCP servers of %s failed: %s", agent.name, type(exc).__name__)
+        return False
+    logger.info("asked a worker to list the MCP servers of agent %s", agent.name)
+    return True
+
+
+def list_in_worker(agent_id: int) -> None:
+    """The worker's side of request_listing: list the agent's servers unless its current
+    revision is listed already (the task may arrive twice, or after a newer one)."""
+    from .models import Agent, McpToolList
+
+    with _lock:
+        lock = _listing.setdefault(agent_id, threading.Lock())
+    with lock:  # asked twice at once (by a command and a /meta): listed once, the other reads it
+        agent = Agent.objects.prefetch_related("options", "server_tools").filter(pk=agent_id).first()
+        if agent is None or not agent.enabled or not hosts_mcp_servers(agent):
+            return
+        if not stale(agent, McpToolList.objects.filter(agent_id=agent.pk).first()):
+            return
+        refresh(agent)
+
+
 def refresh(agent) -> tuple[list[dict], dict]:
-    """List every MCP server's tools now and store them for the agent's revision."""
+    """List every MCP server's tools now and store them for the agent's revision (where
+    listed_by_a_worker, ask a worker to and say so)."""
     from .models import McpToolList
 
     servers = servers_of(agent.runtime_config)
+    if listed_by_a_worker(agent):
+        said = ASKED if request_listing(agent, again=True) else UNASKED
+        return [], {server.name: said.format(server.name) for server in servers}
     options = _defaults(agent)
     listed = _run(
         _discover(agent.name, servers, options), timeout=sum(s.start_timeout + s.timeout for s in servers) + 10
@@ -169,6 +263,8 @@ async def _list(agent_name: str, server: Server, options: dict[str, str]):
     headers = resolve(server.raw.get("headers"), options)
     spec = None
     if server.kind == "stdio":
+        if not starts_stdio_servers_here():  # the web process of a deployment with workers
+            return ASKED.format(server.name)
         key = hashlib.sha256(f"discovery\0{agent_name}\0{server.fingerprint()}".encode()).hexdigest()
         spec = process_spec(
             server,

@@ -169,6 +169,8 @@ def agent_definition(agent_id: int, revision) -> AgentDefinition:
     if agent is None:
         raise Agent.DoesNotExist(f"agent {agent_id}")
     definition = AgentDefinition.of(agent)
+    if not registry.settled(agent):  # its MCP tools are being listed by a worker: not kept yet
+        return definition
     with _definitions_lock:
         _definitions[agent_id] = (_revision_key(agent.updated_at), definition)
     return definition

@@ -186,8 +186,9 @@ def agents_apply(entries: list[dict], *, prune: bool = False) -> dict:
 
 
 def mcp_refresh(name: str) -> list[str]:
-    """List the tools of the agent's MCP servers for its current revision (after it changed);
-    one line per server, saying how many tools it listed or why none."""
+    """List the tools of the agent's MCP servers for its current revision (after it changed),
+    or ask a worker to (an agent with a stdio server, where workers run the tenants' processes);
+    one line per server, saying how many tools it listed, why none, or that a worker lists it."""
     from . import mcp_registry as registry
     from .runtimes.mcp_config import servers_of
 

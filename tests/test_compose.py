@@ -276,18 +276,17 @@ def test_the_worker_logs_in_as_a_role_that_cannot_change_agents():
     text = (ROOT / "deploy" / "entrypoint.sh").read_text()
     body = text[text.index("init() {") : text.index("\n}\n", text.index("init() {"))]
     assert body.index("manage migrate") < body.index("manage grant_worker_role")
-    # What it grants: sessions_app written, agents and tenants read only, tokens hidden.
+    # What it grants: sessions_app written, agents and tenants read only (but the tools their
+    # MCP servers listed, which workers list), tokens hidden.
     from hosting.management.commands import grant_worker_role
 
-    writes, reads = (
-        grant_worker_role.tables(grant_worker_role.WRITES),
-        grant_worker_role.tables(grant_worker_role.READS),
-    )
+    writes, reads = grant_worker_role.written_tables(), grant_worker_role.read_tables()
     assert {"sessions_app_session", "sessions_app_turn", "sessions_app_message", "sessions_app_worker"} <= set(writes)
     assert {"agents_agent", "agents_agentoption", "agents_servertool", "agents_agent_tenants", "hosting_tenant"} <= set(
         reads
     )
-    assert not any(t.startswith(("agents_", "hosting_")) for t in writes)
+    assert [t for t in writes if t.startswith(("agents_", "hosting_"))] == ["agents_mcptoollist"]
+    assert not set(reads) & set(writes)
     assert "hosting_apitoken" not in reads + writes
 
 

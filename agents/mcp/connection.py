@@ -61,13 +61,19 @@ class ServerProcess(AgentProcess):
 
 
 def process_spec(server: Server, *, key: str, label: str, unit: str, home: Path, env: dict[str, str]) -> ProcessSpec:
+    """What starts a stdio server: in its sandbox, unless the operator set the server's
+    `unsafeWithoutSandbox` (then unconfined, as the worker's user; each start logs a warning)."""
     raw = server.raw
-    box = sandbox.SandboxSpec(
-        unit=unit,
-        writable=(home,),
-        read_paths=tuple(raw.get("readPaths") or ()),
-        egress=tuple(raw.get("egress") or ()),
-        limits=limits.Limits.parse(raw.get("limits")),
+    box = (
+        None
+        if raw.get("unsafeWithoutSandbox") is True
+        else sandbox.SandboxSpec(
+            unit=unit,
+            writable=(home,),
+            read_paths=tuple(raw.get("readPaths") or ()),
+            egress=tuple(raw.get("egress") or ()),
+            limits=limits.Limits.parse(raw.get("limits")),
+        )
     )
     return ProcessSpec(
         key=key,
@@ -253,11 +259,9 @@ class Connection:
                     await self.process.stop(self.failure or "The MCP server was stopped.", kill=True)
 
     def _ours(self, sentence: str) -> str:
-        """A sentence of the sandbox's process, about this server (which has no opt-out)."""
+        """A sentence of the sandbox's process, about this server (whose opt-out is its own)."""
         named = f"The MCP server '{self.server.name}'"
-        sentence = sentence.replace(
-            " An operator can run it unconfined only by setting unsafeWithoutSandbox for this agent.", ""
-        )
+        sentence = sentence.replace("unsafeWithoutSandbox for this agent.", "unsafeWithoutSandbox for this MCP server.")
         sentence = sentence.replace("The agent command", f"The command of MCP server '{self.server.name}'")
         return sentence.replace("The agent process", named).replace("The agent", named)
 

@@ -51,6 +51,8 @@ SERVER_SCHEMA = {
         "limits": limits.LIMITS_SCHEMA,
         "readPaths": {"type": "array", "items": {"type": "string", "pattern": "^/"}},
         "idleSeconds": {"type": "number", "exclusiveMinimum": 0},
+        # the operator's opt-out, as an ACP agent's: no confinement at all (logged at each start)
+        "unsafeWithoutSandbox": {"type": "boolean"},
         # http: streamable HTTP, through the network guard
         "url": {"type": "string", "minLength": 1},
         "headers": _named_values({"type": "string", "pattern": "^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"}),
@@ -67,7 +69,17 @@ MCP_SERVERS_SCHEMA = {
     "description": "MCP servers whose tools become the agent's server tools (docs/llm-agent.md, MCP servers).",
 }
 
-STDIO_ONLY = ("command", "args", "env", "isolation", "egress", "limits", "readPaths", "idleSeconds")
+STDIO_ONLY = (
+    "command",
+    "args",
+    "env",
+    "isolation",
+    "egress",
+    "limits",
+    "readPaths",
+    "idleSeconds",
+    "unsafeWithoutSandbox",
+)
 HTTP_ONLY = ("url", "headers", "allowPrivateAddresses")
 
 

@@ -89,3 +89,77 @@ def test_the_example_file_applies(token):
         "isolation": "tenant",
         "idleSeconds": 600,
     }
+
+
+def test_the_web_never_starts_a_stdio_server_a_worker_lists_it(api, settings, monkeypatch):
+    """Where workers run the tenants' processes (REDIS_URL set), an agent's stdio server is
+    listed by a worker (agents.tasks.list_mcp_tools), never by the web process nor a command."""
+    import sys
+
+    from agents import mcp_registry as registry
+    from agents.models import Agent, McpToolList
+    from agents.runtimes.acp_bridge import process, sandbox
+    from agents.services import agents_apply, mcp_refresh
+    from agents.tasks import list_mcp_tools
+    from hosting import broker
+    from hosting import process as host_process
+    from tests.support import ROOT
+
+    settings.REDIS_URL = settings.REDIS_URL or "redis://127.0.0.1:6379/0"  # nothing is sent there: see below
+    sent, spawned = [], []
+    monkeypatch.setattr(broker, "send_task", lambda name, task_id, args, queue: sent.append((name, args, queue)))
+    spawn = process.AgentProcess.spawn
+
+    async def recorded_spawn(self):
+        spawned.append((host_process.worker_node, self.spec.label))
+        await spawn(self)
+
+    monkeypatch.setattr(process.AgentProcess, "spawn", recorded_spawn)
+    monkeypatch.setattr(sandbox, "harden_host", lambda: None)  # this test process stays as it is
+    name = f"mcp-{uuid.uuid4().hex[:6]}"
+    # Unsandboxed (the operator's opt-out) so that this process can start it without the sandbox's tools.
+    probe = str(ROOT / "tests" / "fakes" / "mcp_probe_server.py")
+    server = {"name": "probe", "command": sys.executable, "args": [probe], "unsafeWithoutSandbox": True}
+    agents_apply([entry(name, [server])])
+    agent = Agent.objects.get(name=name)
+
+    def tools() -> list[str]:
+        info = next(a for a in api.get("/v1/meta").json()["agents"] if a["name"] == name)
+        return [tool["name"] for tool in info.get("tools", [])]
+
+    # apply_agents and an admin save ask a worker, and say so; /meta would ask too (once per
+    # revision and minute from a process: this one has asked already).
+    assert mcp_refresh(name) == [f"agent {name}: MCP server probe: The MCP server 'probe' is being listed by a worker."]
+    assert tools() == [] and tools() == []
+    assert sent == [(registry.LIST_TASK, (agent.pk,), settings.CELERY_TASK_DEFAULT_QUEUE)]
+    assert spawned == [] and not McpToolList.objects.filter(agent=agent).exists()
+    # The task, in a worker: it starts the server, lists it and stores its tools for /meta.
+    monkeypatch.setattr(host_process, "worker_node", "celery@test")
+    list_mcp_tools(agent.pk)
+    list_mcp_tools(agent.pk)  # delivered twice: listed once
+    monkeypatch.setattr(host_process, "worker_node", "")
+    assert spawned == [("celery@test", f"{name}/discovery/probe")]
+    assert {"probe__sh", "probe__env"} <= set(tools())
+    assert len(spawned) == 1 and len(sent) == 1
+
+
+def test_with_the_broker_unreachable_the_command_says_so_and_the_next_read_asks_again(api, settings, monkeypatch):
+    from agents.services import agents_apply, mcp_refresh
+    from hosting import broker
+
+    settings.REDIS_URL = settings.REDIS_URL or "redis://127.0.0.1:6379/0"
+    tries = []
+
+    def unreachable(name, task_id, args, queue):
+        tries.append(args)
+        raise ConnectionError("no broker")
+
+    monkeypatch.setattr(broker, "send_task", unreachable)
+    name = f"mcp-{uuid.uuid4().hex[:6]}"
+    agents_apply([entry(name, [{"name": "local", "command": "/bin/false"}])])
+    (line,) = mcp_refresh(name)
+    assert line.endswith(
+        "will be listed by a worker: the broker is unreachable now; the next read of the agent asks again."
+    )
+    info = next(agent for agent in api.get("/v1/meta").json()["agents"] if agent["name"] == name)
+    assert "tools" not in info and len(tries) == 2  # the command's try, then /meta's

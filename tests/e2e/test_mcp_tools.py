@@ -1,7 +1,13 @@
 """MCP servers as server tools of an `openai` agent, through the whole stack: PyPI's
 `mcp-server-time` and a probe server built with the `mcp` SDK (tests/fakes/mcp_probe_server.py)
 over stdio in the sandbox, the same probe over streamable HTTP, the model the fake
-OpenAI-compatible server."""
+OpenAI-compatible server.
+
+The escape suite's file and network probes run from the probe (`probe`, sandboxed) and from
+the same probe with the operator's `unsafeWithoutSandbox` (`bare`): refused from the first,
+they succeed from the second, so they can tell an escape. `AAP_TEST_SANDBOX_OFF=1` registers
+`probe` unsandboxed too, to show the sandboxed assertions fail then.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import pytest
 from tests.fakes.openai_server import FakeOpenAI
 from tests.support import ROOT, free_port
 
+from .escape import SANDBOX_OFF, as_script, connect_probe, digest, read_probe, service_targets
 from .test_acp_agent import host_pid
 from .turns import LiveTurn, wait_until
 
@@ -45,13 +52,6 @@ def http_probe():
 
 
 @pytest.fixture(scope="module")
-def model():
-    server = FakeOpenAI().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def mcp_stack(pg_stack, model, http_probe):
     endpoint = urlsplit(model.url)
     agent = {
@@ -70,7 +70,10 @@ def mcp_stack(pg_stack, model, http_probe):
                         "env": [{"name": "PROBE_TOKEN", "option": "probeToken"}, {"name": "PROBE_MODE", "value": "on"}],
                         "egress": [f"{endpoint.hostname}:{endpoint.port}"],
                         "timeoutSeconds": 8,
+                        **({"unsafeWithoutSandbox": True} if SANDBOX_OFF else {}),
                     },
+                    # The same probe with the operator's opt-out: the escapes' negative control.
+                    {"name": "bare", "command": "python", "args": [PROBE], "unsafeWithoutSandbox": True},
                     {
                         "name": "brief",
                         "command": "python",
@@ -98,13 +101,23 @@ def mcp_stack(pg_stack, model, http_probe):
         "capabilities": {"stream": {"delta": {}, "none": {}}},
     }
     pg_stack.apply_agents([agent])
+    listed(pg_stack, "llm-mcp", {"time__get_current_time", "probe__sh", "bare__sh", "brief__sh", "web__sh"})
     yield pg_stack
     pg_stack.apply_agents([{**agent, "enabled": False}])  # out of /meta for the rest of the suite
 
 
-def tools_of(client) -> dict[str, dict]:
-    agent = next(a for a in client.meta()["agents"] if a["name"] == "llm-mcp")
+def tools_of(client, name: str = "llm-mcp") -> dict[str, dict]:
+    agent = next(a for a in client.meta()["agents"] if a["name"] == name)
     return {tool["name"]: tool for tool in agent.get("tools", [])}
+
+
+def listed(stack, name: str, tools: set[str]) -> None:
+    """Wait until a worker has listed the agent's MCP servers (`apply_agents` asks one)."""
+    client = stack.client("demo")
+    try:
+        wait_until(lambda: tools <= set(tools_of(client, name)), timeout=90, message=f"{name}'s MCP tools in /meta")
+    finally:
+        client.close()
 
 
 def session(client, *tools: str, trust: bool = True, **options) -> str:
@@ -291,8 +304,8 @@ def test_a_server_is_reused_across_turns_of_its_unit_and_stopped_when_idle(mcp_s
 # --- the sandbox, from an MCP server ---------------------------------------------------------
 
 
-def sh(model, client, sid: str, command: str) -> tuple[int, str]:
-    (content,) = results(call(model, client, sid, "probe__sh", {"command": command}))
+def sh(model, client, sid: str, command: str, server: str = "probe") -> tuple[int, str]:
+    (content,) = results(call(model, client, sid, f"{server}__sh", {"command": command}))
     head, _, output = content.partition("\n")
     return int(head.removeprefix("exit=")), output
 
@@ -309,50 +322,59 @@ def test_a_stdio_mcp_server_works_in_its_home_and_reaches_its_egress(mcp_stack, 
     assert code != 0 and "200" not in output
 
 
-def test_a_stdio_mcp_server_cannot_read_outside_its_sandbox(mcp_stack, demo, other, model, tmp_path):
+# The attacker: the sandboxed probe, or the same probe with the operator's unsafeWithoutSandbox.
+ATTACKERS = [pytest.param("probe", id="sandboxed"), pytest.param("bare", id="unsandboxed")]
+
+
+def confined(server: str) -> bool:
+    """What the test expects of the attacker (`probe` stays expected confined with
+    AAP_TEST_SANDBOX_OFF=1, which runs it unsandboxed: its assertions fail then)."""
+    return server == "probe"
+
+
+@pytest.mark.parametrize("server", ATTACKERS)
+def test_a_stdio_mcp_server_cannot_read_outside_its_sandbox(mcp_stack, demo, other, model, key_file, server):
     theirs = session(other, "probe__sh")
     assert sh(model, other, theirs, "echo their-notes > private.txt && pwd")[0] == 0
     their_home = sh(model, other, theirs, "pwd")[1].strip()
     assert Path(their_home, "private.txt").read_text() == "their-notes\n"  # there to steal
-    var = Path(os.environ.get("HOSTING_VAR_DIR", ROOT / "var"))
-    var.mkdir(parents=True, exist_ok=True)
-    key = var / f"encryption_key-probe-{uuid.uuid4().hex[:8]}"
-    key.write_text("fernet-key-material-" + uuid.uuid4().hex)
-    key.chmod(0o600)
-    try:
-        mine = session(demo, "probe__sh")
-        code, output = sh(
-            model,
-            demo,
-            mine,
-            f"echo mine-ok > own.txt; cat own.txt; cat {their_home}/private.txt; cat {key}; cat /etc/shadow; env",
-        )
-        assert output.startswith("mine-ok\n")  # the positive control: its own files, in the same command
-        assert "their-notes" not in output and key.read_text() not in output and "root:" not in output
-        assert output.count("Permission denied") + output.count("No such file or directory") == 3, output
-        for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "HOSTING_ENCRYPTION_KEYS"):
-            assert name not in output
-    finally:
-        key.unlink()
-
-
-def test_a_stdio_mcp_server_cannot_reach_postgresql_redis_or_the_service(mcp_stack, demo, model):
-    redis = urlsplit(mcp_stack.env["REDIS_URL"])
-    web = urlsplit(mcp_stack.base_url)
-    targets = [("127.0.0.1", 5432), (redis.hostname, redis.port), (web.hostname, web.port)]
-    probe = (
-        "import socket, urllib.request\n"
-        f"print('egress', urllib.request.urlopen({model.url + '/models'!r}, timeout=10).status)\n"
-        "for host, port in [" + ", ".join(f"({h!r}, {p})" for h, p in targets) + "]:\n"
-        "    try:\n"
-        "        socket.create_connection((host, port), timeout=5).close(); print('connected', port)\n"
-        "    except OSError as exc: print('refused', port, type(exc).__name__)\n"
+    targets = {
+        "theirs": f"{their_home}/private.txt",  # another tenant's server's files
+        "key": str(key_file),  # the service's keys
+        "shadow": "/etc/shadow",
+        "worker": f"/proc/{mcp_stack.worker.pid}/environ",  # DATABASE_URL, REDIS_URL, ...
+    }
+    mine = session(demo, f"{server}__sh")
+    code, output = sh(
+        model, demo, mine, "echo mine-ok > own.txt; cat own.txt; " + as_script(read_probe(targets)) + "; env", server
     )
-    sid = session(demo, "probe__sh")
-    code, output = sh(model, demo, sid, "cat > probe.py <<'EOF'\n" + probe + "EOF\npython probe.py")
+    assert output.startswith("mine-ok\n"), output  # the positive control: its own files, in the same command
+    lines = output.splitlines()
+    for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "HOSTING_ENCRYPTION_KEYS"):
+        assert not [line for line in lines if line.startswith(name + "=")]  # a clean environment, always
+    if confined(server):
+        assert [line.split()[:2] for line in lines if line.startswith(("read ", "refused "))] == [
+            ["refused", label] for label in targets
+        ], output
+    else:  # the same probes, unconfined: each reads what the sandbox keeps out of reach
+        assert f"read theirs {digest('their-notes' + chr(10))}" in lines, output
+        assert f"read key {digest(key_file.read_text())}" in lines, output
+        root = os.geteuid() == 0  # then only the sandbox stands between the server and these
+        assert any(line.startswith("read shadow ") for line in lines) == root, output
+        assert any(line.startswith("read worker ") for line in lines) == root, output
+
+
+@pytest.mark.parametrize("server", ATTACKERS)
+def test_a_stdio_mcp_server_cannot_reach_postgresql_redis_or_the_service(mcp_stack, demo, model, server):
+    probe = connect_probe(service_targets(mcp_stack), egress=model.url + "/models")
+    sid = session(demo, f"{server}__sh")
+    code, output = sh(model, demo, sid, as_script(probe), server)
     assert code == 0, output
-    assert output.startswith("egress 200\n"), output  # the positive control: its egress, through its proxy
-    assert "connected" not in output and output.count("refused") == 3, output
+    assert output.startswith("egress 200\n"), output  # the positive control: its egress (through its proxy)
+    if confined(server):
+        assert "connected" not in output and output.count("refused") == 3, output
+    else:  # the same probe, unconfined, connects to each
+        assert "refused" not in output and output.count("connected") == 3, output
 
 
 # --- an MCP server from the npm registry -----------------------------------------------------
@@ -386,6 +408,7 @@ def files_stack(pg_stack, model):
         "capabilities": {"stream": {"delta": {}, "none": {}}},
     }
     pg_stack.apply_agents([agent])
+    listed(pg_stack, "llm-files", {"files__write_file"})
     yield pg_stack
     pg_stack.apply_agents([{**agent, "enabled": False}])
 
@@ -404,6 +427,38 @@ def test_npm_filesystem_server_writes_and_reads_its_own_directory_only(files_sta
     # Outside its directory: refused by the server, and by the sandbox had it tried.
     (outside,) = results(call(model, demo, sid, "files__read_text_file", {"path": "/etc/hostname"}))
     assert outside.startswith("Error: ") and "denied" in outside.lower(), outside
+
+
+# --- discovery: in a worker, never in the web process -----------------------------------------
+
+
+def test_the_web_never_starts_a_stdio_mcp_server_a_worker_lists_them(pg_stack, model, demo):
+    name = f"llm-listed-{uuid.uuid4().hex[:6]}"
+    agent = {
+        "name": name,
+        "runtime": {"kind": "openai", "config": {"mcpServers": [{"name": "time", "command": "mcp-server-time"}]}},
+        "options": [
+            {"type": "text", "name": "model", "default": "fake-model"},
+            {"type": "text", "name": "baseUrl", "default": model.url},
+        ],
+    }
+    web_log = pg_stack.log_dir / f"{pg_stack.name}-daphne.log"
+    worker_log = pg_stack.log_dir / f"{pg_stack.name}-celery.log"
+    started = f"MCP server {name}/discovery/time started"
+    pg_stack.apply_agents([agent])  # asks a worker to list the servers
+    try:
+        listed(pg_stack, name, {"time__get_current_time"})
+        assert worker_log.read_text().count(started) == 1  # the positive control: the worker started it
+        # A revision nobody listed (a raw UPDATE): /meta, served by the web, asks a worker.
+        bump = "from django.utils import timezone; from agents.models import Agent; "
+        pg_stack.manage("shell", "-c", bump + f"Agent.objects.filter(name={name!r}).update(updated_at=timezone.now())")
+        assert "time__get_current_time" in tools_of(demo, name)  # the earlier list meanwhile
+        wait_until(lambda: worker_log.read_text().count(started) == 2, timeout=60, message="listed again")
+        assert "time__get_current_time" in tools_of(demo, name)
+        assert f"asked a worker to list the MCP servers of agent {name}" in web_log.read_text()
+        assert f"{name}/discovery" not in web_log.read_text()  # nothing started (nor failed to) in the web
+    finally:
+        pg_stack.apply_agents([{**agent, "enabled": False}])
 
 
 # --- the embedded mode (`make run` without DATABASE_URL: SQLite, turns in the web process) -----

@@ -11,7 +11,6 @@ forked sleepers instead of an endless bomb, a few MiB of disk.
 
 from __future__ import annotations
 
-import os
 import re
 import uuid
 from pathlib import Path
@@ -20,22 +19,14 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from tests.fakes.openai_server import FakeOpenAI
-from tests.support import ROOT, Stack
+from tests.support import Stack
 
+from .escape import SANDBOX_OFF, as_script, connect_probe, refusals, service_targets
 from .test_acp_agent import FAKE, FAKE_INSTALL, agent_pid, session_of, workspace
 from .turns import checked_turn, user, wait_until
 
-SANDBOX_OFF = os.environ.get("AAP_TEST_SANDBOX_OFF") == "1"
 SECRET = "sk-other-tenant-" + uuid.uuid4().hex
 LIMITS = {"processes": 40, "diskMiB": 8, "memoryMiB": 300}
-
-
-@pytest.fixture(scope="module")
-def model():
-    server = FakeOpenAI().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +85,6 @@ def shell_session(client, **options) -> str:
 def worker_pid_cmd(stack: Stack) -> str:
     # The worker's pid on the host (in its own PID namespace the agent cannot even name it).
     return str(stack.worker.pid)
-
-
-def refusals(output: str) -> int:
-    """Files refused to the agent: unreadable (fallback), or not there at all (namespaces)."""
-    return output.count("Permission denied") + output.count("No such file or directory")
 
 
 def alive_after(client, session: str) -> None:
@@ -165,20 +151,12 @@ def test_the_workers_environment_and_the_services_secrets_are_out_of_reach(shell
     assert shell_stack.env["DATABASE_URL"] not in output
 
 
-def test_key_files_and_etc_shadow_are_unreadable(shell_stack, demo):
-    var = Path(os.environ.get("HOSTING_VAR_DIR", ROOT / "var"))
-    var.mkdir(parents=True, exist_ok=True)
-    key = var / f"encryption_key-probe-{uuid.uuid4().hex[:8]}"
-    key.write_text("fernet-key-material-" + uuid.uuid4().hex)
-    key.chmod(0o600)
-    try:
-        session = shell_session(demo)
-        code, output = shell(demo, session, f"cat {key}; cat /etc/shadow; ls {var} 2>/dev/null")
-        assert key.read_text() not in output
-        assert "root:" not in output  # /etc/shadow's first line
-        assert refusals(output) == 2  # both cats; `ls` listed nothing
-    finally:
-        key.unlink()
+def test_key_files_and_etc_shadow_are_unreadable(shell_stack, demo, key_file):
+    session = shell_session(demo)
+    code, output = shell(demo, session, f"cat {key_file}; cat /etc/shadow; ls {key_file.parent} 2>/dev/null")
+    assert key_file.read_text() not in output
+    assert "root:" not in output  # /etc/shadow's first line
+    assert refusals(output) == 2  # both cats; `ls` listed nothing
 
 
 def test_nothing_is_written_outside_the_workspace_directly_or_through_links(shell_stack, demo, tmp_path):
@@ -207,21 +185,8 @@ def test_nothing_is_written_outside_the_workspace_directly_or_through_links(shel
 
 def test_postgresql_redis_and_the_services_port_are_unreachable(shell_stack, demo):
     session = shell_session(demo)
-    redis = urlsplit(shell_stack.env["REDIS_URL"])
-    web = urlsplit(shell_stack.base_url)
-    targets = [("127.0.0.1", 5432), (redis.hostname, redis.port), (web.hostname, web.port)]
-    probe = (
-        "import socket, sys\n"
-        "for host, port in [" + ", ".join(f"({h!r}, {p})" for h, p in targets) + "]:\n"
-        "    try:\n"
-        "        socket.create_connection((host, port), timeout=5).close(); print('connected', port)\n"
-        "    except OSError as exc: print('refused', port, type(exc).__name__)\n"
-        "for path in ['/var/run/postgresql/.s.PGSQL.5432', '/run/postgresql/.s.PGSQL.5432']:\n"
-        "    try:\n"
-        "        s = socket.socket(socket.AF_UNIX); s.connect(path); print('connected', path)\n"
-        "    except OSError as exc: print('refused', path, type(exc).__name__)\n"
-    )
-    code, output = shell(demo, session, "cat > probe.py <<'EOF'\n" + probe + "EOF\npython probe.py")
+    unix = ("/var/run/postgresql/.s.PGSQL.5432", "/run/postgresql/.s.PGSQL.5432")
+    code, output = shell(demo, session, as_script(connect_probe(service_targets(shell_stack), unix=unix)))
     assert code == 0, output
     assert "connected" not in output
     assert output.count("refused") == 5

@@ -42,6 +42,11 @@ def test_a_stdio_and_an_http_server_are_accepted():
         ([{"name": "a", "type": "http", "url": "https://u:p@host/"}], "mcpServers/0/url", "without user"),
         ([{"name": "a", "command": "x", "url": "https://host/"}], "mcpServers/0/url", "not a setting of a stdio"),
         ([{"name": "a", "type": "http", "url": "https://h/", "command": "x"}], "mcpServers/0/command", "http"),
+        (
+            [{"name": "a", "type": "http", "url": "https://h/", "unsafeWithoutSandbox": True}],
+            "mcpServers/0/unsafeWithoutSandbox",
+            "not a setting of a http",
+        ),
     ],
 )
 def test_what_the_schema_cannot_say_is_refused_with_where_and_why(servers, where, words):
@@ -107,3 +112,20 @@ def test_results_map_to_aap_content():
         ]
     )
     assert content_of(resource) == "inside"
+
+
+def test_a_stdio_server_runs_in_its_sandbox_unless_the_operator_opts_out():
+    from pathlib import Path
+
+    from agents.mcp.connection import process_spec
+    from agents.runtimes.mcp_config import Server
+
+    def spec(**more):
+        server = Server.parse({"name": "p", "command": "probe", "readPaths": ["/opt/probe"], **more})
+        return process_spec(server, key="k", label="a/p", unit="mcp-u", home=Path("/w/home"), env={})
+
+    assert spec().sandbox.writable == (Path("/w/home"),) and spec().sandbox.read_paths == ("/opt/probe",)
+    assert spec(unsafeWithoutSandbox=False).sandbox is not None
+    assert spec(unsafeWithoutSandbox=True).sandbox is None  # unconfined: ServerProcess.spawn logs a warning
+    config = {"mcpServers": [{"name": "p", "command": "probe", "unsafeWithoutSandbox": True}]}
+    assert OpenAIRuntime.validate_config(config) == config

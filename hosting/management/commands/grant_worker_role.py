@@ -10,8 +10,12 @@ The role is the user of AAP_WORKER_DATABASE_URL (its password too); this command
 owner's DATABASE_URL, creates it or sets its password and attributes, then grants exactly:
 
     CONNECT on the database, USAGE on the schema
-    SELECT, INSERT, UPDATE, DELETE   the tables of sessions_app
-    SELECT                           the tables of hosting and agents, except API tokens
+    SELECT, INSERT, UPDATE, DELETE   the tables of sessions_app, and agents' McpToolList
+    SELECT                           the other tables of hosting and agents, except API tokens
+
+McpToolList holds what an agent's MCP servers answered to `tools/list`, which the workers
+ask them (the web never starts a server: agents.mcp_registry); nothing of the agent's
+definition is in it.
 
 and revokes everything else on the schema's tables, so it is safe to run again (the container
 entrypoint's `init` runs it after every `migrate`, which covers tables a release adds). Without
@@ -30,6 +34,7 @@ from django.db import DatabaseError, connection, transaction
 WRITES = ("sessions_app",)
 READS = ("hosting", "agents")
 HIDDEN = {"hosting.ApiToken"}  # token hashes: only the web authenticates
+WRITTEN = {"agents.McpToolList"}  # of the read-only apps, the tables a worker writes too
 
 
 def tables(labels) -> list[str]:
@@ -39,6 +44,16 @@ def tables(labels) -> list[str]:
             if model._meta.managed and not model._meta.proxy and model._meta.label not in HIDDEN:
                 names.add(model._meta.db_table)
     return sorted(names)
+
+
+def written_tables() -> list[str]:
+    """Every table a worker writes: those of WRITES, and WRITTEN."""
+    return sorted({*tables(WRITES), *(apps.get_model(label)._meta.db_table for label in WRITTEN)})
+
+
+def read_tables() -> list[str]:
+    """The tables a worker only reads."""
+    return [name for name in tables(READS) if name not in written_tables()]
 
 
 class Command(BaseCommand):
@@ -78,7 +93,7 @@ class Command(BaseCommand):
         raw = connection.connection
         # Only the SCRAM verifier reaches the server (never the password, e.g. in its statement log).
         verifier = raw.pgconn.encrypt_password(password.encode(), role.encode(), b"scram-sha-256").decode()
-        writes, reads = tables(WRITES), tables(READS)
+        writes, reads = written_tables(), read_tables()
         with connection.cursor() as cursor:
             cursor.execute("SELECT current_schema(), current_database()")
             schema, database = cursor.fetchone()
