@@ -173,9 +173,10 @@ def dispatch(turn_id: str, *, node: str | None = None, room: Room | None = None)
             return False
         # A slot looks free while others wait: mostly a worker thread between two turns,
         # about to claim the next itself. The chooser settles it unless another one is at
-        # work already; then this request does not queue behind it (at saturation that wait
-        # was most of the chooser's cost). Should that one have read the turns before this
-        # one was committed, the next turn accepted, or a worker's heartbeat round, chooses.
+        # work already; then this request does not queue behind it (a request only tries the
+        # chooser's lock: it never waits for another's choice). Should that one have read the
+        # turns before this one was committed, the next turn accepted, or a worker's heartbeat
+        # round, chooses.
         return turn_id in dispatch_next(wait=False)
     try:
         schedule_store.mark_dispatched([turn_id])
