@@ -38,15 +38,17 @@ RUN if [ "$ACP" = "1" ]; then \
     fi
 
 # Dependencies first, from the lock file alone (exact versions and hashes, `make lock`
-# writes it from pyproject.toml), so code changes do not reinstall them.
+# writes it from pyproject.toml and sdk/pyproject.toml), so code changes do not reinstall them.
 COPY requirements.lock ./
 RUN pip install --require-hashes -r requirements.lock
 
-# The project itself (non-editable install; .dockerignore keeps .venv, var/, .git, .env*,
-# backups and dumps, and the operator's deploy/agents.yaml out: tests/unit/test_image_context.py).
+# The project itself: the AAP client (sdk/, `aap-client`, which the service depends on) and
+# the service, non-editable, their dependencies already installed from the lock. .dockerignore
+# keeps .venv, var/, .git, .env*, backups and dumps, and the operator's deploy/agents.yaml out
+# (tests/unit/test_image_context.py).
 COPY . .
-RUN pip install --no-deps . \
-    && rm -rf build ./*.egg-info
+RUN pip install --no-deps ./sdk . \
+    && rm -rf build ./*.egg-info sdk/build sdk/*.egg-info
 
 # Run from the copied tree (manage.py; settings' BASE_DIR = /app); mutable state lives
 # under /data (mount volumes there: /data/workspaces is shared by web and worker).

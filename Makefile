@@ -53,13 +53,15 @@ help:
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# (Re)install only when pyproject.toml is newer than the stamp: repeated runs are instant.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e .
+# (Re)install only when a pyproject.toml is newer than the stamp: repeated runs are instant.
+# The service depends on the AAP client (`aap-client`, sdk/): both are installed in one pip
+# run, so pip takes the client from ./sdk, never from an index.
+$(STAMP): pyproject.toml sdk/pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ./sdk -e .
 	@touch $@
 
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e './sdk[test]' -e '.[test]'
 	@touch $@
 
 venv install: $(STAMP)
@@ -111,9 +113,9 @@ run: $(STAMP)
 test: $(TEST_STAMP) $(OPENCODE_STAMP) $(MCP_FILESYSTEM_STAMP) $(LLAMA_STAMP)
 	scripts/test.sh $(PYTEST_ARGS)
 
-# tests/unit (no I/O) and tests/api (the Django stack in process, on PostgreSQL).
+# tests/unit (no I/O), tests/api (the Django stack in process, on PostgreSQL), sdk/tests.
 test-fast: $(TEST_STAMP)
-	scripts/test.sh tests/unit tests/api $(PYTEST_ARGS)
+	scripts/test.sh tests/unit tests/api sdk/tests $(PYTEST_ARGS)
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
@@ -121,9 +123,15 @@ lint: $(TEST_STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# Exact versions with hashes: requirements.lock is what the Docker image installs.
-LOCK_FLAGS := --quiet --strip-extras --generate-hashes --allow-unsafe --no-emit-index-url --no-emit-find-links
+# Exact versions with hashes: requirements.lock is what the Docker image installs. The AAP
+# client (sdk/) is on no index: pip-compile finds it as a wheel built here, and lists it
+# unpinned, outside the lock (--unsafe-package; the image installs it from ./sdk).
+LOCK_WHEELS := $(VENV)/lock-wheels
+LOCK_FLAGS  := --quiet --strip-extras --generate-hashes --unsafe-package aap-client \
+	--find-links $(LOCK_WHEELS) --no-emit-index-url --no-emit-find-links
 lock: $(TEST_STAMP)
+	rm -rf $(LOCK_WHEELS)
+	$(BIN)/python -m pip wheel --quiet --disable-pip-version-check --no-deps -w $(LOCK_WHEELS) ./sdk
 	$(BIN)/pip-compile $(LOCK_FLAGS) -o requirements.lock pyproject.toml
 	$(BIN)/pip-compile $(LOCK_FLAGS) --extra test -o requirements-test.lock pyproject.toml
 

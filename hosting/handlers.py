@@ -2,8 +2,8 @@
 
 Django's stock ASGI handler gives every request a fresh single-thread executor (asgiref's
 ThreadSensitiveContext: a thread started and joined per request) and runs every
-`MiddlewareMixin` hook through it (two thread hops per middleware). Profiled under load,
-that was a fifth of the web process's CPU per turn (docs/performance.md). The API needs
+`MiddlewareMixin` hook through it (two thread hops per middleware). Here no request
+starts a thread, and a request crosses one thread hop, to its view. The API needs
 neither: its middleware (`AAP_API_MIDDLEWARE`) is async-native, and its sync DRF views run
 on one shared, bounded pool of threads (`AAP_WEB_THREADS`), each giving its database
 connection back to the pool when the view returns. The admin keeps the stock handler and

@@ -10,8 +10,9 @@ worker_concurrency = 0
 
 def freeze_startup_heap() -> None:
     """Move everything start-up built (Django, Celery, the runtimes: most of the heap) out of
-    the garbage collector's reach. Its full collections otherwise walked all of it, pausing
-    a worker for 90-260 ms under load: every event of every running turn waited meanwhile
-    (docs/performance.md, scenario 5). What turns allocate later is collected as usual."""
+    the garbage collector's reach, so that no full collection walks it: while a collection
+    runs, every event of every running turn in the process waits (scenario 5 of
+    docs/performance.md shows such pauses as late ticks). What turns allocate later is
+    collected as usual."""
     gc.collect()
     gc.freeze()

@@ -226,7 +226,7 @@ CELERY_TASK_IGNORE_RESULT = True
 # the turn's heartbeat says whether it is alive. A turn taken by a worker that died before
 # claiming it is still `dispatched` in PostgreSQL but no longer on the queue: the sweep sends
 # it again (sessions_app.dispatch). So Kombu's Redis ack emulation (a sorted set and a hash
-# written in two transactions per message) is off: it cost a fifth of a worker's CPU.
+# written in two transactions per message) is off: taking a message writes nothing else.
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_WORKER_DISABLE_PREFETCH = env_bool("AAP_WORKER_DISABLE_PREFETCH", True)

@@ -21,14 +21,6 @@ _WAITING = waiting("t")
 _IN_FLIGHT = f"t.status = '{Turn.RUNNING}'"
 
 
-def any_waiting() -> bool:
-    """Some turn waits for a worker slot (one indexed read: the chooser's work is skipped
-    when nothing waits, which is every turn's end below saturation)."""
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT 1 FROM {T} t WHERE {_WAITING} LIMIT 1")
-        return cursor.fetchone() is not None
-
-
 def room_for(turn_id: str, tenant_id: int, workers_seen_since: datetime) -> tuple[int, int, int, int]:
     """(in flight, waiting, this tenant's in flight, worker slots) in one statement; turn
     `turn_id` (about to be stored) is left out of the waiting ones."""

@@ -1,10 +1,10 @@
 """The statements of a turn's path, written as SQL.
 
 Every turn reads and writes the same few rows: the session (locked), the turn, the new
-messages. Through the ORM each statement cost about 1 ms of Python to build, ten times what
-the database spends on it, and that was most of a turn's CPU (docs/performance.md). Here
-each is one prepared string. The rules stay in the services; this module only moves rows.
-Works on PostgreSQL and on SQLite (the embedded mode).
+messages. Each statement is one prepared string, built once, not a query the ORM builds on
+every turn at many times the database's own cost for it
+(docs/adr/0003-raw-sql-on-the-turn-path.md). The rules stay in the services; this module
+only moves rows. Works on PostgreSQL and on SQLite (the embedded mode).
 """
 
 from __future__ import annotations

@@ -136,15 +136,16 @@ def other(pg_stack):
     client.close()
 
 
-UNIT_TIER = ROOT / "tests" / "unit"
+SUITE = ROOT / "tests"
+UNIT_TIER = SUITE / "unit"
 
 
 def pytest_collection_modifyitems(items):
     # pytest-django creates the test database only for tests that ask for it; every test
     # outside the unit tier drives processes that use it, so all of those do (reads only,
-    # inside a rollback). Unit tests touch no database.
+    # inside a rollback). Unit tests touch no database, nor do the client's (sdk/tests).
     for item in items:
-        if UNIT_TIER not in item.path.parents:
+        if SUITE in item.path.parents and UNIT_TIER not in item.path.parents:
             item.add_marker(pytest.mark.django_db)
 
 

@@ -23,9 +23,9 @@ def installs(output: str) -> list[str]:
 def test_make_run_installs_the_runtime_dependencies_only(tmp_path):
     venv = tmp_path / "venv"
     run = installs(dry_run("run", venv))
-    assert len(run) == 1 and run[0].rstrip().endswith("-e ."), run
+    assert len(run) == 1 and run[0].rstrip().endswith("-e ./sdk -e ."), run  # the AAP client beside
     test = installs(dry_run("test", venv))
-    assert any("'.[test]'" in line for line in test), test
+    assert any("-e './sdk[test]' -e '.[test]'" in line for line in test), test
 
 
 def test_a_second_make_run_installs_nothing(tmp_path):

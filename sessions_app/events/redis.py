@@ -152,8 +152,8 @@ class _NotifyHub:
 
 class _PublishBatcher:
     """Writes the publications of every turn on one event loop together: one pipeline per
-    Redis round trip, whatever the number of turns publishing (one pipeline per event and
-    turn was most of a worker's CPU with hundreds of streaming turns). A caller waits until
+    Redis round trip, whatever the number of turns publishing, so a worker's round trips do
+    not multiply with the turns it streams. A caller waits until
     its events are written, so each turn's events stay in order."""
 
     def __init__(self, client):

@@ -3,8 +3,8 @@ Twisted or Django that changes any of it fails here, naming the patch to re-read
 
 Each pin is the installed release and a digest of the upstream method's source as that
 release ships it. When one fails: read the new upstream method, check that the patch still
-does what its docstring says (and is still needed: docs/performance.md measures the CPU
-ones), then update the pin."""
+does what its docstring says (and is still needed: docs/performance.md says how to profile
+the ones that save CPU), then update the pin."""
 
 from __future__ import annotations
 

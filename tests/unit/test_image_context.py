@@ -47,7 +47,8 @@ IMAGE_FILES = (
     "hosting/asgi.py",
     "sessions_app/apps.py",
     "agents/services.py",
-    "aap/__init__.py",
+    "sdk/pyproject.toml",
+    "sdk/aap/__init__.py",
 )
 
 

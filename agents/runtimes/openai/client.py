@@ -187,7 +187,7 @@ class Clients:
     One httpx connection pool for operator endpoints and one guarded pool for endpoints an
     application chose (every request, redirects too, checked and pinned). The SDK client of
     an endpoint (base URL, key, timeout, retries) is built once and kept, least recently
-    used first out: building one per turn cost more CPU than the request it sends.
+    used first out: a turn never builds one (building one costs more than the request it sends).
     """
 
     def __init__(self):
@@ -253,10 +253,9 @@ async def check_endpoint(base_url) -> None:
 async def chat_completion(client: openai.AsyncOpenAI, body: dict | bytes, *, stream: bool):
     """POST /chat/completions with `body` sent as it is (the SDK's documented `post` for raw
     requests). `chat.completions.create()` first walks every message of the history through
-    the SDK's type-driven transform: milliseconds per call that grow with the session (43 ms at
-    400 messages), where the body built here is already plain JSON. A streamed reply's chunks
-    come back as plain JSON objects too (`AsyncStream[object]`): building the SDK's typed
-    model of every chunk was the largest part of a short turn's CPU in the runtime. The SDK
+    the SDK's type-driven transform, a cost per call that grows with the session, where the
+    body built here is already plain JSON. A streamed reply's chunks come back as plain JSON
+    objects too (`AsyncStream[object]`): no typed model is built per chunk. The SDK
     still does the rest: authentication, retries, timeouts, errors and the SSE framing. A body
     already encoded (bytes, Turn.chat_body) is sent as it is."""
     return await client.post(

@@ -1,18 +1,54 @@
-"""The framework-free AAP core: the fold, the stream-mode shaper, SSE framing and parsing.
-No database, no Redis, no subprocess beyond the import check."""
+"""The SDK's core: the fold, the stream-mode shaper, SSE framing and parsing, and that importing
+it pulls in no web framework. No network, no subprocess beyond the import check."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from aap.messages import MessageShaper, fold
 from aap.sse import SSEParser, parse_sse, sse_frame
-from tests.support import ROOT, fold_events
+
+SDK = Path(__file__).resolve().parents[1]
+
+
+def spec_fold(events: list[dict]) -> list[dict]:
+    """The spec's fold, written independently of `aap.messages.fold`."""
+    messages, blocks, joining = [], None, None
+    for ev in events:
+        kind = ev["event"]
+        if kind in ("text_delta", "thinking_delta"):
+            part = kind.split("_")[0]
+            blocks = blocks if blocks is not None else []
+            if joining == part:
+                blocks[-1][part] += ev["delta"]
+            else:
+                blocks.append({"type": part, part: ev["delta"]})
+            joining = part
+        elif kind in ("text", "thinking"):
+            blocks = blocks if blocks is not None else []
+            blocks.append({"type": kind, kind: ev[kind]})
+            joining = None
+        elif kind == "tool_call":
+            blocks = blocks if blocks is not None else []
+            blocks.append(
+                {"type": "tool_use", "toolCallId": ev["toolCallId"], "name": ev["name"], "input": ev["input"]}
+            )
+            joining = None
+        elif kind == "tool_result":
+            if blocks:
+                messages.append({"role": "assistant", "content": blocks})
+            blocks, joining = None, None
+            messages.append({"role": "tool", "toolCallId": ev["toolCallId"], "content": ev["content"]})
+    if blocks:
+        messages.append({"role": "assistant", "content": blocks})
+    return messages
+
 
 # --- the fold --------------------------------------------------------------------------------
 
@@ -51,8 +87,8 @@ def test_every_stream_mode_folds_to_the_same_messages(events):
     as_delta = fold(shaped(events, "delta"))
     as_message = fold(shaped(events, "message"))
     assert as_delta == as_message == fold(shaped(events, "none"))
-    # ... and the service's fold agrees with the spec's fold, written independently in tests/.
-    assert as_delta == fold_events(shaped(events, "delta"))
+    # ... and the SDK's fold agrees with the spec's fold, written independently above.
+    assert as_delta == spec_fold(shaped(events, "delta"))
 
 
 @given(runtime_events)
@@ -134,4 +170,4 @@ def test_aap_imports_no_web_framework():
         " 'channels', 'celery', 'hosting', 'agents', 'sessions_app'))\n"
         "assert not bad, bad\n"
     )
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={"PATH": ""}, timeout=60)
+    subprocess.run([sys.executable, "-c", code], cwd=SDK, check=True, env={"PATH": ""}, timeout=60)
