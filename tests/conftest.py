@@ -27,7 +27,7 @@ TEST_ENV = {
     "AAP_TENANT_TURNS_PER_MINUTE": "0",
     "AAP_AUTH_FAILURES_PER_MINUTE": "0",
     # Tests revoke, expire and re-limit tokens and expect the next request to see it at once;
-    # the cache and its bound have their own test (tests/test_auth_cache.py).
+    # the cache and its bound have their own test (tests/api/test_auth_cache.py).
     "AAP_AUTH_CACHE_SECONDS": "0",
 }
 

@@ -81,5 +81,5 @@ def assert_refusal(response, status: int) -> str:
 @pytest.fixture(autouse=True)
 def _no_auth_cache(settings):
     """Tests revoke tokens and expect the next request to see it at once (the cache and its
-    bound have their own test, tests/test_auth_cache.py)."""
+    bound have their own test, tests/api/test_auth_cache.py)."""
     settings.AAP_AUTH_CACHE_SECONDS = 0

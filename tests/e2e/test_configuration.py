@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from .support import BIN, Stack, free_port
+from ..support import BIN, Stack, free_port
 
 
 @pytest.fixture(scope="module")
