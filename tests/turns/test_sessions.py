@@ -9,7 +9,6 @@ import uuid
 
 import pytest
 
-from .support import AAP
 from .test_auth import committed
 
 SESSION_ID = re.compile(r"^sess_([A-Za-z0-9_-]+)$")
@@ -313,12 +312,12 @@ def test_another_tenants_session_does_not_exist_for_you(demo, other):
     assert demo.history(session) == [{"role": "user", "content": "mine"}]
 
 
-def test_tokens_of_one_tenant_share_its_sessions(pg_stack, demo, db_access):
+def test_tokens_of_one_tenant_share_its_sessions(engine, demo, db_access):
     from hosting.models import Tenant
     from hosting.services import token_create
 
     _, raw = committed(lambda: token_create(tenant=Tenant.objects.get(name="demo"), name="second"))
-    second = AAP(pg_stack.base_url, raw)
+    second = engine.client_with(raw)
     session = second.create_session("echo")
     assert demo.get(f"/v1/sessions/{session}").status_code == 200
     assert session in all_session_ids(demo, limit=100)
@@ -342,13 +341,13 @@ def all_session_ids(client, limit: int = 100) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def fresh(pg_stack, django_db_blocker):
+def fresh(engine, django_db_blocker):
     """A client of a tenant of its own, so a listing holds exactly what the test created."""
     from hosting.services import tenant_create
 
     with django_db_blocker.unblock():
         _, raw = committed(lambda: tenant_create(name=f"t2-list-{uuid.uuid4().hex[:8]}"))
-    client = AAP(pg_stack.base_url, raw)
+    client = engine.client_with(raw)
     yield client
     client.close()
 
