@@ -16,8 +16,10 @@ import io
 import json
 import logging
 import logging.config
+import os
 import threading
 from io import StringIO
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
@@ -76,9 +78,10 @@ class Engine:
     name = "turns"
     base_url = "http://127.0.0.1"
 
-    def __init__(self, app, loop: asyncio.AbstractEventLoop):
+    def __init__(self, app, loop: asyncio.AbstractEventLoop, env: dict[str, str]):
         self.transport = InProcessTransport(app, loop)
         self.tokens: dict[str, str] = {}
+        self.env = env  # for a process of the operator's (manage.py) on the same database
 
     def client(self, tenant: str = "demo", **kw) -> AAP:
         return AAP(self.base_url, self.tokens[tenant], transport=self.transport, **kw)
@@ -105,6 +108,14 @@ def _token(name: str) -> str:
     return token_create(tenant=tenant, name="turns tier")[1]
 
 
+def _process_env() -> dict[str, str]:
+    from django.db import connection
+
+    parts = urlsplit(os.environ["DATABASE_URL"])
+    test_db_url = urlunsplit(parts._replace(path="/" + connection.settings_dict["NAME"]))
+    return {**os.environ, "DATABASE_URL": test_db_url, "REDIS_URL": ""}
+
+
 @pytest.fixture(scope="package")
 def engine(django_db_setup, django_db_blocker):
     from django.core.management import call_command
@@ -127,7 +138,7 @@ def engine(django_db_setup, django_db_blocker):
             call_command("apply_agents", str(ROOT / "tests" / "agents.yaml"), stdout=StringIO(), stderr=StringIO())
             from hosting.asgi import application
 
-            engine = Engine(application, loop)
+            engine = Engine(application, loop, _process_env())
             engine.tokens = tokens
             connections.close_all()
             yield engine
