@@ -139,15 +139,27 @@ def other(pg_stack):
     client.close()
 
 
-UNIT_TIER = ROOT / "tests" / "unit"
+# Every test lives in a tier directory, and the directory is its marker (`-m turns`,
+# `-m "not e2e"`): unit (no I/O), api (the Django stack in process, on PostgreSQL), turns (the
+# whole service in process: the ASGI app and the embedded engine), e2e (real Daphne, Celery,
+# PostgreSQL, Redis), sandbox (the agent sandbox), real (third-party agents), chaos (faults).
+TIERS = ("unit", "api", "turns", "e2e", "sandbox", "real", "chaos")
 
 
-def pytest_collection_modifyitems(items):
-    # pytest-django creates the test database only for tests that ask for it; every test
-    # outside the unit tier drives processes that use it, so all of those do (reads only,
-    # inside a rollback). Unit tests touch no database.
+def pytest_collection_modifyitems(config, items):
+    tests = ROOT / "tests"
     for item in items:
-        if UNIT_TIER not in item.path.parents:
+        relative = item.path.relative_to(tests) if tests in item.path.parents else None
+        tier = relative.parts[0] if relative is not None and len(relative.parts) > 1 else None
+        if tier not in TIERS:
+            raise pytest.UsageError(
+                f"{item.nodeid}: every test lives in a tier directory ({', '.join(f'tests/{t}' for t in TIERS)})"
+            )
+        item.add_marker(getattr(pytest.mark, tier))
+        # pytest-django creates the test database only for tests that ask for it; every tier
+        # but unit uses it (reads only, inside a rollback, beside what the service commits).
+        # Unit tests touch no database.
+        if tier != "unit":
             item.add_marker(pytest.mark.django_db)
 
 
