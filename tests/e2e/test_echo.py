@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from .turns import (
+from ..turn_checks import (
     assert_sse_shape,
     checked_turn,
     deltas,

@@ -18,8 +18,8 @@ import pytest
 from tests.fakes.openai_server import FakeOpenAI
 from tests.support import ROOT, free_port
 
+from ..turn_checks import LiveTurn, wait_until
 from .test_acp_agent import host_pid
-from .turns import LiveTurn, wait_until
 
 PROBE = str(ROOT / "tests" / "fakes" / "mcp_probe_server.py")
 OPERATOR_TOKEN = "operator-token-" + uuid.uuid4().hex[:8]

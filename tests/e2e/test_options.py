@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
-from .turns import CLIENT_TOOL, checked_turn, new_session, text_reply, user
+from ..turn_checks import CLIENT_TOOL, checked_turn, new_session, text_reply, user
 
 SECRET = "sk-live-a1b2c3d4e5"
 

@@ -23,8 +23,8 @@ import yaml
 from tests.fakes.openai_server import FakeOpenAI
 from tests.support import ROOT, Stack
 
+from ..turn_checks import checked_turn, user, wait_until
 from .test_acp_agent import FAKE, FAKE_INSTALL, agent_pid, session_of, workspace
-from .turns import checked_turn, user, wait_until
 
 SANDBOX_OFF = os.environ.get("AAP_TEST_SANDBOX_OFF") == "1"
 SECRET = "sk-other-tenant-" + uuid.uuid4().hex
