@@ -2,7 +2,7 @@
 #
 #   make run                 migrate, seed the demo tenant when absent, serve on 127.0.0.1:8000
 #   make test [ARGS=...]     the suite against PostgreSQL + Redis (throwaway servers when none answer)
-#   make test-fast           the unit and API tiers only (in process, no servers of its own): seconds
+#   make test-fast           the unit, API and turns tiers (in process, no servers of its own): under a minute
 #   make lint                ruff (lint + format check), mypy, the import layers
 #   make lock                rewrite requirements.lock / requirements-test.lock from pyproject.toml
 #   make install             the service's runtime dependencies only (make install-test: + test extras, OpenCode,
@@ -111,9 +111,10 @@ run: $(STAMP)
 test: $(TEST_STAMP) $(OPENCODE_STAMP) $(MCP_FILESYSTEM_STAMP) $(LLAMA_STAMP)
 	scripts/test.sh $(PYTEST_ARGS)
 
-# tests/unit (no I/O) and tests/api (the Django stack in process, on PostgreSQL).
+# tests/unit (no I/O), tests/api (the Django stack in process, on PostgreSQL) and tests/turns
+# (the ASGI app in process, its turns run by the embedded engine).
 test-fast: $(TEST_STAMP)
-	scripts/test.sh tests/unit tests/api $(PYTEST_ARGS)
+	scripts/test.sh tests/unit tests/api tests/turns $(PYTEST_ARGS)
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
