@@ -32,6 +32,24 @@ TEST_ENV = {
 }
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker gets a Redis database of its own (the next after
+    REDIS_URL's, on the server the suite was given); pytest-django gives each its own test
+    database."""
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    redis_url = os.environ.get("REDIS_URL")
+    if not worker or not redis_url:
+        return
+    from django.conf import settings
+
+    parts = urlsplit(redis_url)
+    base = int(parts.path.strip("/") or 0)
+    own = urlunsplit(parts._replace(path=f"/{base + 1 + int(worker.removeprefix('gw'))}"))
+    os.environ["REDIS_URL"] = own
+    settings.REDIS_URL = own
+    settings.CELERY_BROKER_URL = own
+
+
 def _require(name: str) -> str:
     value = os.environ.get(name)
     if not value:
