@@ -340,7 +340,7 @@ def all_session_ids(client, limit: int = 100) -> list[str]:
             return ids
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fresh(engine, django_db_blocker):
     """A client of a tenant of its own, so a listing holds exactly what the test created."""
     from hosting.services import tenant_create
@@ -380,6 +380,7 @@ def test_list_entries_are_session_infos(fresh):
         "agent": {"name": "echo", "options": {"style": "upper"}, "tools": [{"name": "add"}]},
         "tools": [CLIENT_TOOL],
     }
+    fresh.create_session("echo")  # an older one, after the first page
     session = fresh.post("/v1/sessions", body).json()["sessionId"]
     first = fresh.get("/v1/sessions", params={"limit": 1}).json()
     assert first["sessions"] == [fresh.get(f"/v1/sessions/{session}").json()]
@@ -387,7 +388,10 @@ def test_list_entries_are_session_infos(fresh):
 
 
 def test_a_page_that_ends_exactly_at_the_last_session_has_no_next(fresh):
+    for _ in range(3):
+        fresh.create_session("echo")
     total = len(all_session_ids(fresh))
+    assert total == 3
     page = fresh.get("/v1/sessions", params={"limit": total}).json()
     assert len(page["sessions"]) == total and "next" not in page
     assert fresh.get("/v1/sessions", params={"limit": total - 1}).json().get("next")
