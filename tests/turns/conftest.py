@@ -18,13 +18,13 @@ import logging
 import logging.config
 import os
 import threading
-from io import StringIO
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
 
-from tests.support import AAP, ROOT
+from ..conftest import _require
+from ..support import AAP, ROOT
 
 # As tests/conftest.py's TEST_ENV, for the service in this process.
 SETTINGS = {
@@ -109,9 +109,10 @@ def _token(name: str) -> str:
 
 
 def _process_env() -> dict[str, str]:
+    """The environment of a manage.py process on the test database (the embedded mode)."""
     from django.db import connection
 
-    parts = urlsplit(os.environ["DATABASE_URL"])
+    parts = urlsplit(_require("DATABASE_URL"))
     test_db_url = urlunsplit(parts._replace(path="/" + connection.settings_dict["NAME"]))
     return {**os.environ, "DATABASE_URL": test_db_url, "REDIS_URL": ""}
 
@@ -124,6 +125,7 @@ def engine(django_db_setup, django_db_blocker):
 
     from agents.demo import demo_seed
 
+    env = _process_env()  # first: it says what is missing when DATABASE_URL is not set
     overridden = override_settings(**SETTINGS)
     overridden.enable()
     _clear_backends()
@@ -135,10 +137,12 @@ def engine(django_db_setup, django_db_blocker):
             # Committed: the service's threads read them on connections of their own.
             demo_seed(token=False)
             tokens = {"demo": _token("demo"), "other": _token("other")}
-            call_command("apply_agents", str(ROOT / "tests" / "agents.yaml"), stdout=StringIO(), stderr=StringIO())
+            call_command(
+                "apply_agents", str(ROOT / "tests" / "agents.yaml"), stdout=io.StringIO(), stderr=io.StringIO()
+            )
             from hosting.asgi import application
 
-            engine = Engine(application, loop, _process_env())
+            engine = Engine(application, loop, env)
             engine.tokens = tokens
             connections.close_all()
             yield engine
