@@ -2,7 +2,7 @@
 #
 #   make run                 migrate, seed the demo tenant when absent, serve on 127.0.0.1:8000
 #   make test [ARGS=...]     the suite against PostgreSQL + Redis (throwaway servers when none answer)
-#   make test-fast           the unit and API tiers only (in process, no servers of its own): seconds
+#   make test-fast           the unit, API and turns tiers (in process, no servers of its own, two workers)
 #   make lint                ruff (lint + format check), mypy, the import layers
 #   make lock                rewrite requirements.lock / requirements-test.lock from pyproject.toml
 #   make install             the service's runtime dependencies only (make install-test: + test extras, OpenCode,
@@ -42,6 +42,7 @@ ARGS        ?=
 PYTEST_ARGS ?= $(ARGS)
 FULL        ?=
 CELERY_CONCURRENCY ?= 16
+FAST_WORKERS ?= 2
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install install-test run test test-fast lint lock chaos bench migrate seed worker clean
@@ -113,9 +114,12 @@ run: $(STAMP)
 test: $(TEST_STAMP) $(OPENCODE_STAMP) $(MCP_FILESYSTEM_STAMP) $(LLAMA_STAMP)
 	scripts/test.sh $(PYTEST_ARGS)
 
-# tests/unit (no I/O), tests/api (the Django stack in process, on PostgreSQL), sdk/tests.
+# tests/unit (no I/O), tests/api (the Django stack in process, on PostgreSQL), tests/turns
+# (the ASGI app in process, its turns run by the embedded engine) and sdk/tests, on
+# FAST_WORKERS pytest-xdist workers (0: in this process), each with a test database and a
+# Redis database of its own.
 test-fast: $(TEST_STAMP)
-	scripts/test.sh tests/unit tests/api sdk/tests $(PYTEST_ARGS)
+	scripts/test.sh -n $(FAST_WORKERS) tests/unit tests/api tests/turns sdk/tests $(PYTEST_ARGS)
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .

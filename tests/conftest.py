@@ -27,9 +27,27 @@ TEST_ENV = {
     "AAP_TENANT_TURNS_PER_MINUTE": "0",
     "AAP_AUTH_FAILURES_PER_MINUTE": "0",
     # Tests revoke, expire and re-limit tokens and expect the next request to see it at once;
-    # the cache and its bound have their own test (tests/test_auth_cache.py).
+    # the cache and its bound have their own test (tests/api/test_auth_cache.py).
     "AAP_AUTH_CACHE_SECONDS": "0",
 }
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker gets a Redis database of its own (the next after
+    REDIS_URL's, on the server the suite was given); pytest-django gives each its own test
+    database."""
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    redis_url = os.environ.get("REDIS_URL")
+    if not worker or not redis_url:
+        return
+    from django.conf import settings
+
+    parts = urlsplit(redis_url)
+    base = int(parts.path.strip("/") or 0)
+    own = urlunsplit(parts._replace(path=f"/{base + 1 + int(worker.removeprefix('gw'))}"))
+    os.environ["REDIS_URL"] = own
+    settings.REDIS_URL = own
+    settings.CELERY_BROKER_URL = own
 
 
 def _require(name: str) -> str:
@@ -44,7 +62,10 @@ def _require(name: str) -> str:
 
 def _seed(stack: Stack) -> None:
     stack.tokens["demo"] = stack.manage("seed_demo").strip().splitlines()[-1]
-    stack.tokens["other"] = stack.manage("create_tenant", "other").strip().splitlines()[-1]
+    try:
+        stack.tokens["other"] = stack.manage("create_tenant", "other").strip().splitlines()[-1]
+    except RuntimeError:  # created by an earlier stack or tier on this database
+        stack.tokens["other"] = stack.manage("create_token", "other").strip().splitlines()[-1]
     stack.manage("apply_agents", str(ROOT / "tests" / "agents.yaml"))
 
 
@@ -136,16 +157,31 @@ def other(pg_stack):
     client.close()
 
 
-SUITE = ROOT / "tests"
-UNIT_TIER = SUITE / "unit"
+# Every test of the service lives in a tier directory, and the directory is its marker
+# (`-m turns`, `-m "not e2e"`): unit (no I/O), api (the Django stack in process, on
+# PostgreSQL), turns (the whole service in process: the ASGI app and the embedded engine), e2e
+# (real Daphne, Celery, PostgreSQL, Redis), sandbox (the agent sandbox), real (third-party
+# agents), chaos (faults). The client's own tests (sdk/tests) are the SDK's, outside them.
+TIERS = ("unit", "api", "turns", "e2e", "sandbox", "real", "chaos")
+SDK_TESTS = ROOT / "sdk" / "tests"
 
 
-def pytest_collection_modifyitems(items):
-    # pytest-django creates the test database only for tests that ask for it; every test
-    # outside the unit tier drives processes that use it, so all of those do (reads only,
-    # inside a rollback). Unit tests touch no database, nor do the client's (sdk/tests).
+def pytest_collection_modifyitems(config, items):
+    tests = ROOT / "tests"
     for item in items:
-        if SUITE in item.path.parents and UNIT_TIER not in item.path.parents:
+        if SDK_TESTS in item.path.parents:
+            continue  # no database, no tier of the service's
+        relative = item.path.relative_to(tests) if tests in item.path.parents else None
+        tier = relative.parts[0] if relative is not None and len(relative.parts) > 1 else None
+        if tier not in TIERS:
+            raise pytest.UsageError(
+                f"{item.nodeid}: every test lives in a tier directory ({', '.join(f'tests/{t}' for t in TIERS)})"
+            )
+        item.add_marker(getattr(pytest.mark, tier))
+        # pytest-django creates the test database only for tests that ask for it; every tier
+        # but unit uses it (reads only, inside a rollback, beside what the service commits).
+        # Unit tests touch no database.
+        if tier != "unit":
             item.add_marker(pytest.mark.django_db)
 
 

@@ -236,9 +236,11 @@ class TurnResult:
 class AAP:
     """An application calling the service with one API token."""
 
-    def __init__(self, base_url: str, token: str | None, timeout: float = 60.0):
+    def __init__(
+        self, base_url: str, token: str | None, timeout: float = 60.0, transport: httpx.BaseTransport | None = None
+    ):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
+        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout, transport=transport)
 
     def close(self):
         self.http.close()

@@ -48,14 +48,31 @@ def _no_rate_limits(settings):
     settings.AAP_TENANT_TURNS_PER_MINUTE = 0
 
 
+API_TENANT = "api-tier"
+
+
 @pytest.fixture
 def token(db) -> str:
     from agents.services import ECHO_AGENT, agents_apply
     from hosting.services import tenant_create
 
     agents_apply([ECHO_AGENT])
-    _, raw = tenant_create(name="api-tier")
+    _, raw = tenant_create(name=API_TENANT)
     return raw
+
+
+def own_sessions():
+    """The sessions of the tenant of `token`: other tiers may have committed sessions of
+    their own tenants to the test database before."""
+    from sessions_app.models import Session
+
+    return Session.objects.filter(tenant__name=API_TENANT)
+
+
+def own_turns():
+    from sessions_app.models import Turn
+
+    return Turn.objects.filter(session__tenant__name=API_TENANT)
 
 
 @pytest.fixture
@@ -81,5 +98,5 @@ def assert_refusal(response, status: int) -> str:
 @pytest.fixture(autouse=True)
 def _no_auth_cache(settings):
     """Tests revoke tokens and expect the next request to see it at once (the cache and its
-    bound have their own test, tests/test_auth_cache.py)."""
+    bound have their own test, tests/api/test_auth_cache.py)."""
     settings.AAP_AUTH_CACHE_SECONDS = 0

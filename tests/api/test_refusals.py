@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from sessions_app.models import Session, Turn
+from sessions_app.models import Session
 
-from .conftest import assert_refusal
+from .conftest import assert_refusal, own_sessions, own_turns
 
 MISSING_SESSION = "ses_" + "0" * 24
 MISSING_TURN = "turn_" + "0" * 24
@@ -111,7 +111,7 @@ def test_a_bad_session_is_a_400_and_nothing_is_stored(api, case):
     error = assert_refusal(api.post("/v1/sessions", body), 400)
     if sentence is not None:
         assert error == sentence
-    assert not Session.objects.exists()
+    assert not own_sessions().exists()
 
 
 def test_a_body_that_is_not_an_object_is_a_400(api):
@@ -146,7 +146,7 @@ def test_a_bad_turn_is_a_400_and_nothing_is_stored(api, case):
     error = assert_refusal(api.post(f"/v1/sessions/{session}/turns", body), 400)
     if sentence is not None:
         assert error == sentence
-    assert not Turn.objects.exists()
+    assert not own_turns().exists()
     assert Session.objects.get(public_id=session).message_seq == 0
 
 
@@ -164,4 +164,4 @@ def test_an_idempotency_key_reused_with_another_request_is_a_422(api):
     assert error == (
         "This Idempotency-Key was already used with a different request; send a new key for a new request."
     )
-    assert Session.objects.count() == 1
+    assert own_sessions().count() == 1

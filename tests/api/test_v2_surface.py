@@ -8,7 +8,7 @@ import pytest
 
 from sessions_app.models import Session, Turn
 
-from .conftest import assert_refusal
+from .conftest import assert_refusal, own_sessions, own_turns
 
 MISSING_SESSION = "sess_" + "0" * 24
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
@@ -200,7 +200,7 @@ BAD_CREATES = [
 def test_a_bad_create_is_a_400_and_stores_nothing(api, body, fragment):
     error = assert_refusal(api.put("/v2/session", body), 400)
     assert fragment in error, error
-    assert not Session.objects.exists()
+    assert not own_sessions().exists()
 
 
 def test_a_first_turn_the_agent_refuses_leaves_no_session_behind(api):
@@ -210,7 +210,7 @@ def test_a_first_turn_the_agent_refuses_leaves_no_session_behind(api):
     body = {"agent": {"name": "echo-json"}, "stream": "delta", "messages": [user()]}
     error = assert_refusal(api.put("/v2/session", body), 400)
     assert "does not support stream 'delta'" in error
-    assert not Session.objects.exists() and not Turn.objects.exists()
+    assert not own_sessions().exists() and not own_turns().exists()
 
 
 def test_a_first_turn_behind_pending_seed_tool_calls_leaves_no_session_behind(api):
@@ -221,7 +221,7 @@ def test_a_first_turn_behind_pending_seed_tool_calls_leaves_no_session_behind(ap
     }
     error = assert_refusal(api.put("/v2/session", body), 400)
     assert "call_1" in error
-    assert not Session.objects.exists()
+    assert not own_sessions().exists()
 
 
 def test_a_first_turn_over_a_tenant_limit_is_a_429_and_leaves_no_session_behind(api, settings):
@@ -233,7 +233,7 @@ def test_a_first_turn_over_a_tenant_limit_is_a_429_and_leaves_no_session_behind(
     error = assert_refusal(response, 429)
     assert "limit of 1 concurrent running turns" in error
     assert response["Retry-After"]
-    assert list(Session.objects.all()) == [busy] and Turn.objects.count() == 1
+    assert list(own_sessions()) == [busy] and own_turns().count() == 1
 
 
 BAD_TURNS = [
@@ -254,7 +254,7 @@ def test_a_bad_turn_is_a_400_and_stores_nothing(api, body, fragment):
     session = api.create_session()
     error = assert_refusal(api.post(f"/v2/session/{session}", body), 400)
     assert fragment in error, error
-    assert not Turn.objects.exists()
+    assert not own_turns().exists()
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 from aap import AAPError, AsyncClient, Client, ToolRegistry
 from tests.support import BIN
 
-from .turns import text_reply, user
+from ..turn_checks import text_reply, user
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import yaml
 
 from tests.support import ROOT, Stack
 
-from .turns import MODES, LiveTurn, checked_turn, deltas, numbered_calls, text_reply, user, wait_until
+from ..turn_checks import MODES, LiveTurn, checked_turn, deltas, numbered_calls, text_reply, user, wait_until
 
 TOOL_KINDS = ["read", "edit", "delete", "move", "search", "execute", "think", "fetch", "switch_mode", "other"]
 OPERATOR_SECRET = "sk-acp-operator-secret-0001"

@@ -16,8 +16,8 @@ import yaml
 from tests.fakes.openai_server import FakeOpenAI
 from tests.support import ROOT
 
+from ..turn_checks import MODES, checked_turn, user
 from .test_acp_agent import answer, session_of, workspace
-from .turns import MODES, checked_turn, user
 
 API_KEY = "sk-agentao-key-for-tests-0001"
 

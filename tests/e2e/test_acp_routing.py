@@ -8,8 +8,8 @@ import signal
 
 import redis
 
+from ..turn_checks import checked_turn, text_reply, user, wait_until
 from .test_acp_agent import answer, client, pg, session_of, workspace  # noqa: F401 (fixtures)
-from .turns import checked_turn, text_reply, user, wait_until
 
 
 def test_a_permission_answer_is_routed_to_the_worker_holding_the_prompt(pg, client):  # noqa: F811

@@ -15,8 +15,8 @@ import httpx
 import redis
 
 from ..support import fold_events, parse_sse
+from ..turn_checks import LiveTurn, text_reply, user
 from .test_limits import limited_tenant
-from .turns import LiveTurn, text_reply, user
 
 A_TURN = "/slow 15 200"  # about 3 s on a worker thread
 WORKER_THREADS = 16  # the stack's worker (tests/support.py)

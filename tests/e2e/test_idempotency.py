@@ -8,7 +8,7 @@ import threading
 import uuid
 
 from ..support import parse_sse
-from .turns import text_reply, user
+from ..turn_checks import text_reply, user
 
 
 def key() -> str:

@@ -14,8 +14,8 @@ import yaml
 from tests.fakes.openai_server import FakeOpenAI
 from tests.support import AAP, Stack, fold_events, parse_sse, serve_pages
 
+from ..turn_checks import assert_sse_shape, text_reply, user
 from .test_llm_agent import OPERATOR_KEY, llm_agent
-from .turns import assert_sse_shape, text_reply, user
 
 # What @agentapplicationprotocol/client sends: JSON bodies, `Accept: text/event-stream` on
 # streamed turns, and `Bearer ${apiKey}` even when the key is empty.

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from ..support import AAP, Stack
-from .turns import LiveTurn, text_reply, user
+from ..turn_checks import LiveTurn, text_reply, user
 
 POLICY = re.compile(r'^"turns";q=(\d+);w=60$')
 STATE = re.compile(r'^"turns";r=(\d+);t=(\d+)$')

@@ -16,9 +16,9 @@ import yaml
 from tests.fakes.openai_server import FakeOpenAI
 from tests.support import log_message
 
+from ..turn_checks import MODES
 from .test_limits import assert_429, limited_tenant
 from .test_llm_agent import calls, llm_agent, new_session, user
-from .turns import MODES
 
 # maxRetries 1: a failure that showed nothing is asked once more (the SDK retries a 5xx once too).
 RETRIED = {"timeoutSeconds": 1, "maxRetries": 1}

@@ -8,8 +8,8 @@ import yaml
 
 from tests.fakes.openai_server import FakeOpenAI
 
+from ..turn_checks import text_reply
 from .test_llm_agent import llm_agent
-from .turns import text_reply
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,9 @@ import pytest
 from tests.fakes.openai_server import FakeOpenAI
 from tests.support import ROOT, free_port
 
+from ..turn_checks import LiveTurn, wait_until
 from .escape import SANDBOX_OFF, as_script, connect_probe, digest, read_probe, service_targets
 from .test_acp_agent import host_pid
-from .turns import LiveTurn, wait_until
 
 PROBE = str(ROOT / "tests" / "fakes" / "mcp_probe_server.py")
 OPERATOR_TOKEN = "operator-token-" + uuid.uuid4().hex[:8]

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ..support import fold_events
-from .turns import LiveTurn, assert_sse_shape, checked_turn, text_reply, user, wait_until
+from ..turn_checks import LiveTurn, assert_sse_shape, checked_turn, text_reply, user, wait_until
 
 
 def ticks(n: int) -> str:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import redis
 
 from ..support import fold_events
-from .turns import LiveTurn, assert_sse_shape, checked_turn, text_reply, user, wait_until
+from ..turn_checks import LiveTurn, assert_sse_shape, checked_turn, text_reply, user, wait_until
 
 RECOVERY_SECONDS = 30  # the contract: a lost turn ends within 30 seconds
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from .turns import checked_turn, new_session, text_reply, user
+from ..turn_checks import checked_turn, new_session, text_reply, user
 
 
 def apply(stack, tmp_path, *, signature: str, enabled: bool = True) -> None:

@@ -21,9 +21,9 @@ import yaml
 
 from tests.support import Stack
 
+from ..turn_checks import checked_turn, user, wait_until
 from .escape import SANDBOX_OFF, as_script, connect_probe, refusals, service_targets
 from .test_acp_agent import FAKE, FAKE_INSTALL, agent_pid, session_of, workspace
-from .turns import checked_turn, user, wait_until
 
 SECRET = "sk-other-tenant-" + uuid.uuid4().hex
 LIMITS = {"processes": 40, "diskMiB": 8, "memoryMiB": 300}

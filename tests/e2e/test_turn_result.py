@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import redis
 
-from .turns import user
+from ..turn_checks import user
 
 
 def test_a_turns_stored_result_outlives_its_events_and_equals_history(pg_stack, demo):

@@ -32,7 +32,7 @@ import yaml
 from tests.support import free_port
 
 from ..e2e.test_llm_agent import complete_events, llm_agent, new_session
-from ..e2e.turns import MODES
+from ..turn_checks import MODES
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 

@@ -27,7 +27,7 @@ from tests.fakes.openai_server import FakeOpenAI
 from tests.support import AAP, BIN, ROOT, Stack, log_message
 
 from ..e2e.test_acp_agent import session_of, workspace
-from ..e2e.turns import checked_turn, user
+from ..turn_checks import checked_turn, user
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(240)]
 

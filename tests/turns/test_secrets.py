@@ -1,13 +1,14 @@
 """Secret options: "***" in every answer, ciphertext at rest, "***" on input keeps the stored
 value, and never a plaintext in a response, history row, event or log line.
 
-The last test greps every log the stacks wrote during the run for the secrets used here, so
-it runs after the tests above it (and after test_admin/test_commands, which sort earlier).
+One test runs the service's secret-bearing paths and reads every line it logged meanwhile.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import time
 import uuid
 
 import pytest
@@ -15,7 +16,6 @@ import pytest
 SECRET = f"sk-live-{uuid.uuid4().hex}"
 ROTATED = f"sk-rotated-{uuid.uuid4().hex}"
 SMALL_SECRET_DEFAULT = "sk-small-window-default"  # tests/agents.yaml
-USED_SECRETS = [SECRET, ROTATED, SMALL_SECRET_DEFAULT]
 
 
 def fingerprint(secret: str) -> str:
@@ -46,8 +46,8 @@ def raw_session_options(public_id: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def secret_session(pg_stack):
-    client = pg_stack.client("demo")
+def secret_session(engine):
+    client = engine.client("demo")
     session = create(client, "echo", {"apiKey": SECRET, "signature": "sig"})
     client.close()
     return session
@@ -106,7 +106,7 @@ def test_stars_at_creation_keep_the_agents_secret_default(demo):
     assert whoami(demo, session) == "unset", "echo has no stored default"
 
 
-def test_agent_secret_default_is_ciphertext_at_rest(pg_stack, db_access):
+def test_agent_secret_default_is_ciphertext_at_rest(engine, db_access):
     from django.db import connection
 
     from hosting import crypto
@@ -140,13 +140,32 @@ def test_refusals_never_echo_a_secret(demo, secret_session):
     assert whoami(demo, secret_session) == fingerprint(SECRET)
 
 
-def test_zz_no_secret_reaches_any_log(pg_stack, log_dir):
-    logs = sorted(log_dir.glob("*.log"))
-    assert any(path.name.startswith("pg-") for path in logs), f"no pg stack logs in {log_dir}"
-    for path in logs:
-        text = path.read_text(errors="replace")
-        for secret in USED_SECRETS:
-            assert secret not in text, f"{secret[:10]}... appears in {path.name}"
+def test_no_secret_reaches_any_log(demo, captured):
+    """What the service logs, from its request and turn threads, while secrets pass through it:
+    a session created with one, turns that use it (streamed, and one that fails), an
+    operator's default, and refusals of requests that carried one."""
+    secret = f"sk-live-{uuid.uuid4().hex}"
+    session = create(demo, "echo", {"apiKey": secret})
+    assert whoami(demo, session) == fingerprint(secret)
+    assert demo.turn(session, text="/whoami", stream="delta").status == 200
+    failed = demo.turn(session, text="/error", agent={"options": {"apiKey": secret}})
+    assert failed.stop_reason == "error"
+    small = create(demo, "echo-small", {})
+    assert whoami(demo, small) == "default"
+    assert demo.turn(small, text="/error").stop_reason == "error"
+    refused = demo.post("/v1/sessions", {"agent": {"name": "echo", "options": {"apiKey": secret, "style": "x"}}})
+    assert refused.status_code == 400
+    bad_turn = {"agent": {"options": {"apiKey": secret, "nope": "x"}}, "messages": [{"role": "user", "content": "hi"}]}
+    assert demo.post(f"/v1/sessions/{session}/turns", bad_turn).status_code == 400
+    # Positive control: the failed turn's error line, written by a turn thread, was captured.
+    deadline = time.monotonic() + 30
+    while not any(line.get("turn") == failed.turn_id and line["level"] == "ERROR" for line in captured()):
+        assert time.monotonic() < deadline, "the failed turn was never logged: nothing was captured"
+        time.sleep(0.1)
+    text = "\n".join(json.dumps(line) for line in captured())
+    for used in (secret, SMALL_SECRET_DEFAULT):
+        assert used not in text, f"{used[:10]}... appears in the log"
+        assert used[8:24] not in text, "not even part of it"
 
 
 def test_rotate_secrets_reencrypts_with_the_new_first_key_and_old_key_can_go(demo, db_access):

@@ -8,8 +8,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def session(pg_stack):
-    client = pg_stack.client("demo")
+def session(engine):
+    client = engine.client("demo")
     session = client.create_session("echo", messages=[{"role": "system", "content": "be brief"}])
     client.close()
     return session

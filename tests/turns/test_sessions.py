@@ -9,7 +9,6 @@ import uuid
 
 import pytest
 
-from .support import AAP
 from .test_auth import committed
 
 SESSION_ID = re.compile(r"^sess_([A-Za-z0-9_-]+)$")
@@ -313,12 +312,12 @@ def test_another_tenants_session_does_not_exist_for_you(demo, other):
     assert demo.history(session) == [{"role": "user", "content": "mine"}]
 
 
-def test_tokens_of_one_tenant_share_its_sessions(pg_stack, demo, db_access):
+def test_tokens_of_one_tenant_share_its_sessions(engine, demo, db_access):
     from hosting.models import Tenant
     from hosting.services import token_create
 
     _, raw = committed(lambda: token_create(tenant=Tenant.objects.get(name="demo"), name="second"))
-    second = AAP(pg_stack.base_url, raw)
+    second = engine.client_with(raw)
     session = second.create_session("echo")
     assert demo.get(f"/v1/sessions/{session}").status_code == 200
     assert session in all_session_ids(demo, limit=100)
@@ -341,14 +340,14 @@ def all_session_ids(client, limit: int = 100) -> list[str]:
             return ids
 
 
-@pytest.fixture(scope="module")
-def fresh(pg_stack, django_db_blocker):
+@pytest.fixture
+def fresh(engine, django_db_blocker):
     """A client of a tenant of its own, so a listing holds exactly what the test created."""
     from hosting.services import tenant_create
 
     with django_db_blocker.unblock():
         _, raw = committed(lambda: tenant_create(name=f"t2-list-{uuid.uuid4().hex[:8]}"))
-    client = AAP(pg_stack.base_url, raw)
+    client = engine.client_with(raw)
     yield client
     client.close()
 
@@ -381,6 +380,7 @@ def test_list_entries_are_session_infos(fresh):
         "agent": {"name": "echo", "options": {"style": "upper"}, "tools": [{"name": "add"}]},
         "tools": [CLIENT_TOOL],
     }
+    fresh.create_session("echo")  # an older one, after the first page
     session = fresh.post("/v1/sessions", body).json()["sessionId"]
     first = fresh.get("/v1/sessions", params={"limit": 1}).json()
     assert first["sessions"] == [fresh.get(f"/v1/sessions/{session}").json()]
@@ -388,7 +388,10 @@ def test_list_entries_are_session_infos(fresh):
 
 
 def test_a_page_that_ends_exactly_at_the_last_session_has_no_next(fresh):
+    for _ in range(3):
+        fresh.create_session("echo")
     total = len(all_session_ids(fresh))
+    assert total == 3
     page = fresh.get("/v1/sessions", params={"limit": total}).json()
     assert len(page["sessions"]) == total and "next" not in page
     assert fresh.get("/v1/sessions", params={"limit": total - 1}).json().get("next")

@@ -15,8 +15,8 @@ ADMIN_SECRET = f"sk-admin-{uuid.uuid4().hex}"
 
 
 @pytest.fixture(autouse=True)
-def seeded(pg_stack, settings):
-    """The seeded tenants and agents (committed by the stack fixture); a fast hasher for admin_user."""
+def seeded(engine, settings):
+    """The seeded tenants and agents (committed by the engine fixture); a fast hasher for admin_user."""
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 

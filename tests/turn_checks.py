@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 
-from ..support import AAP, Event, Stack, TurnResult, fold_events, parse_sse
+from .support import AAP, Event, Stack, TurnResult, fold_events, parse_sse
 
 MODES = ("none", "delta", "message")
 CLIENT_TOOL = {

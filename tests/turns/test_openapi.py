@@ -1,11 +1,11 @@
-"""The OpenAPI document, the browsable docs and the health endpoint."""
+"""The OpenAPI document and the browsable docs. The docs page rendered by a browser and the
+health endpoint with Redis are tests/e2e/test_docs_browser.py and tests/e2e/test_configuration.py."""
 
 from __future__ import annotations
 
 import re
 from urllib.parse import urljoin
 
-import httpx
 import pytest
 
 AAP_PATHS = {
@@ -22,8 +22,8 @@ AAP_PATHS = {
 
 
 @pytest.fixture(scope="module")
-def document(pg_stack) -> dict:
-    response = httpx.get(pg_stack.base_url + "/v1/openapi.json", timeout=60)
+def document(engine) -> dict:
+    response = engine.request("GET", "/v1/openapi.json")
     assert response.status_code == 200, response.text[:500]
     assert "json" in response.headers["content-type"]
     return response.json()
@@ -66,26 +66,20 @@ def test_openapi_document_describes_the_real_shapes(document):
     assert {"after", "limit"} <= {p["name"] for p in listing["parameters"]}
 
 
-def test_docs_page_loads_with_its_static_assets(pg_stack):
-    response = httpx.get(pg_stack.base_url + "/v1/docs", timeout=60)
+def test_docs_page_loads_with_its_static_assets(engine):
+    response = engine.request("GET", "/v1/docs")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/html")
     html = response.text
     # The start-up script is a file of its own (no inline script, for the CSP); it loads this server's document.
     [script] = re.findall(r"""<script src=["']([^"']*/v1/docs\?script=[^"']*)["']""", html)
-    assert "/v1/openapi.json" in httpx.get(urljoin(pg_stack.base_url + "/v1/docs", script), timeout=60).text
+    assert "/v1/openapi.json" in engine.request("GET", urljoin(engine.base_url + "/v1/docs", script)).text
     assets = set(re.findall(r"""(?:src|href)=["']([^"']*/static/[^"']+)["']""", html))
     assert any(a.endswith(".js") for a in assets), assets
     for asset in assets:
-        answer = httpx.get(urljoin(pg_stack.base_url + "/v1/docs", asset), timeout=60)
+        answer = engine.request("GET", urljoin(engine.base_url + "/v1/docs", asset))
         assert answer.status_code == 200, asset
         assert len(answer.content) > 100, asset
-
-
-def test_health_is_ok_when_database_and_redis_answer(pg_stack):
-    response = httpx.get(pg_stack.base_url + "/healthz", timeout=30)
-    assert response.status_code == 200
-    assert response.json() == {"status": "ok", "checks": {"database": "ok", "redis": "ok"}}
 
 
 # --- the document says what the server enforces ---------------------------------------------------
@@ -208,7 +202,7 @@ def _validator(document: dict, schema: dict):
     return jsonschema.Draft202012Validator({**schema, "components": document["components"]})
 
 
-def test_every_request_example_is_valid_and_works_when_sent_unchanged(document, pg_stack, demo):
+def test_every_request_example_is_valid_and_works_when_sent_unchanged(document, demo):
     sent = 0
     for path, item in document["paths"].items():
         for method, operation in item.items():
@@ -259,22 +253,3 @@ def test_responses_match_the_documented_shapes(document, demo):
     for path, method, response in checks:
         answer = _operation(document, path, method)["responses"][str(response.status_code)]
         _validator(document, answer["content"]["application/json"]["schema"]).validate(response.json())
-
-
-def _docs_violations(browser, url: str) -> list[str]:
-    """Open /v1/docs in headless Chromium; the Content-Security-Policy violations it logged."""
-    violations: list[str] = []
-    context = browser.new_context()
-    try:
-        page = context.new_page()
-        page.on("console", lambda m: violations.append(m.text) if "Content Security Policy" in m.text else None)
-        page.goto(url)
-        page.wait_for_selector("text=AAP v3 hosting API", timeout=30_000)
-        page.get_by_text("/v1/sessions/{session_id}/turns", exact=True).first.wait_for(timeout=30_000)
-    finally:
-        context.close()
-    return violations
-
-
-def test_the_docs_page_renders_under_its_content_security_policy(pg_stack, chromium):
-    assert chromium.call(_docs_violations, pg_stack.base_url + "/v1/docs") == []

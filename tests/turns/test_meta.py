@@ -14,8 +14,8 @@ def by_name(meta: dict) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def public_meta(pg_stack) -> dict:
-    client = pg_stack.anonymous()
+def public_meta(engine) -> dict:
+    client = engine.anonymous()
     meta = client.meta()
     client.close()
     return meta
@@ -81,20 +81,20 @@ def test_capabilities_follow_the_admin_toggles(public_meta):
     assert "image" not in agents["echo-small"]["capabilities"]
 
 
-def test_secret_defaults_are_never_revealed(pg_stack, public_meta, demo, other):
+def test_secret_defaults_are_never_revealed(engine, public_meta, demo, other):
     for meta in (public_meta, demo.meta(), other.meta()):
         agents = by_name(meta)
         small = {option["name"]: option for option in agents["echo-small"]["options"]}
         assert small["apiKey"]["default"] == "***", "a stored secret default shows as ***"
         echo = {option["name"]: option for option in agents["echo"]["options"]}
         assert echo["apiKey"]["default"] == "", "no stored secret default shows as an empty string"
-    for client in (pg_stack.anonymous(), demo, other):
+    for client in (engine.anonymous(), demo, other):
         text = client.get("/v1/meta").text
         assert SMALL_SECRET_DEFAULT not in text
         assert "gAAAAA" not in text, "not even the ciphertext leaves the server"
 
 
-def test_every_secret_option_in_meta_is_redacted(pg_stack, public_meta, db_access):
+def test_every_secret_option_in_meta_is_redacted(engine, public_meta, db_access):
     from agents.models import AgentOption
 
     listed = {

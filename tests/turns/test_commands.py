@@ -1,7 +1,7 @@
 """Management commands: create_tenant, create_token, revoke_token, apply_agents, seed_demo.
 
 A few run as the operator types them (a separate process, exit code, last line of output)
-against the PostgreSQL stack. The registry commands run in this process inside the test's
+against the test database. The registry commands run in this process inside the test's
 transaction and are read back through `GET /v1/meta` served in-process on that transaction:
 that isolates `--prune`, which would otherwise remove agents the rest of the suite uses.
 """
@@ -19,7 +19,7 @@ import pytest
 import yaml
 from django.core.management import CommandError, call_command
 
-from .support import AAP, PYTHON, ROOT
+from ..support import PYTHON, ROOT
 from .test_auth import committed
 
 ALPHA_SECRET = f"sk-alpha-{uuid.uuid4().hex}"
@@ -48,30 +48,30 @@ def meta(client, token: str | None = None) -> dict[str, dict]:
 # --- tenants and tokens --------------------------------------------------------------------------
 
 
-def test_create_tenant_prints_a_working_token_as_its_last_line(pg_stack):
+def test_create_tenant_prints_a_working_token_as_its_last_line(engine):
     name = f"t2-cli-{uuid.uuid4().hex[:8]}"
-    result = cli(pg_stack, "create_tenant", name)
+    result = cli(engine, "create_tenant", name)
     assert result.returncode == 0, result.stderr
     token = result.stdout.strip().splitlines()[-1]
-    client = AAP(pg_stack.base_url, token)
+    client = engine.client_with(token)
     assert client.get("/v1/sessions").json() == {"sessions": []}
     names = {agent["name"] for agent in client.meta()["agents"]}
     assert "echo" in names and "echo-private" not in names
     client.close()
 
-    again = cli(pg_stack, "create_tenant", name)
+    again = cli(engine, "create_tenant", name)
     assert again.returncode != 0
     assert name in again.stderr and "create_token" in again.stderr
     assert "Traceback" not in again.stderr
 
 
-def test_create_token_prints_a_working_token_stored_only_as_a_hash(pg_stack, db_access):
+def test_create_token_prints_a_working_token_stored_only_as_a_hash(engine, db_access):
     from hosting.models import ApiToken
 
     out = StringIO()
     committed(lambda: call_command("create_token", "other", "--name", "ci", stdout=out))
     raw = out.getvalue().strip().splitlines()[-1]
-    client = AAP(pg_stack.base_url, raw)
+    client = engine.client_with(raw)
     assert "echo-private" in {agent["name"] for agent in client.meta()["agents"]}, "a token of 'other'"
     assert client.get("/v1/sessions").status_code == 200
     client.close()
@@ -194,7 +194,7 @@ def stored_secret_default(agent: str, option: str) -> str:
         return cursor.fetchone()[0]
 
 
-def test_apply_agents_from_yaml_and_json_is_idempotent(client, pg_stack, db_access, tmp_path):
+def test_apply_agents_from_yaml_and_json_is_idempotent(client, engine, db_access, tmp_path):
     from agents.models import Agent, AgentOption, ServerTool
 
     yaml_file = write(tmp_path, "agents.yaml", [ALPHA, BETA], wrap=True)
@@ -204,7 +204,7 @@ def test_apply_agents_from_yaml_and_json_is_idempotent(client, pg_stack, db_acce
         "updated": [],
         "removed": [],
     }
-    first = meta(client, pg_stack.tokens["demo"])
+    first = meta(client, engine.tokens["demo"])
     assert first["t2-alpha"] == ALPHA_IN_META
     assert first["t2-beta"] == {
         "name": "t2-beta",
@@ -219,10 +219,10 @@ def test_apply_agents_from_yaml_and_json_is_idempotent(client, pg_stack, db_acce
     assert rows() == (2, 3, 2)
     for path in (yaml_file, json_file, json_file):
         assert json.loads(call("apply_agents", path))["updated"] == ["t2-alpha", "t2-beta"]
-        assert meta(client, pg_stack.tokens["demo"]) == first
+        assert meta(client, engine.tokens["demo"]) == first
         assert rows() == (2, 3, 2)
     # Restricted to demo: not public, not for other.
-    assert "t2-alpha" not in meta(client) and "t2-alpha" not in meta(client, pg_stack.tokens["other"])
+    assert "t2-alpha" not in meta(client) and "t2-alpha" not in meta(client, engine.tokens["other"])
     assert "t2-beta" in meta(client)
 
 
@@ -245,7 +245,7 @@ def test_apply_agents_stores_secret_defaults_encrypted(db_access, tmp_path):
     assert "sk-replaced" not in stored and crypto.decrypt(stored) == "sk-replaced"
 
 
-def test_apply_agents_updates_options_tools_and_access(client, pg_stack, db_access, tmp_path):
+def test_apply_agents_updates_options_tools_and_access(client, engine, db_access, tmp_path):
     call("apply_agents", write(tmp_path, "v1.yaml", [ALPHA]))
     v2 = copy.deepcopy(ALPHA)
     v2.update(version="1.3.0", title="Alpha two", tenants=[], capabilities={})
@@ -274,10 +274,10 @@ def test_apply_agents_updates_options_tools_and_access(client, pg_stack, db_acce
         {"name": "clock", "description": "What time it is.", "parameters": {"type": "object", "properties": {}}}
     ]
     assert "application" not in alpha["capabilities"] and "image" not in alpha["capabilities"]
-    assert "t2-alpha" in meta(client, pg_stack.tokens["other"])
+    assert "t2-alpha" in meta(client, engine.tokens["other"])
 
 
-def test_apply_agents_prune_removes_the_agents_the_file_does_not_list(client, pg_stack, db_access, tmp_path):
+def test_apply_agents_prune_removes_the_agents_the_file_does_not_list(client, engine, db_access, tmp_path):
     from agents.models import Agent
     from agents.services import ECHO_AGENT
 
@@ -288,7 +288,7 @@ def test_apply_agents_prune_removes_the_agents_the_file_does_not_list(client, pg
     report = json.loads(call("apply_agents", write(tmp_path, "kept.json", [ECHO_AGENT, ALPHA]), "--prune"))
     assert set(report["removed"]) == others
     assert set(Agent.objects.values_list("name", flat=True)) == {"echo", "t2-alpha"}
-    assert set(meta(client, pg_stack.tokens["demo"])) == {"echo", "t2-alpha"}
+    assert set(meta(client, engine.tokens["demo"])) == {"echo", "t2-alpha"}
     # Without --prune nothing is removed.
     call("apply_agents", write(tmp_path, "beta.yaml", [BETA]))
     assert set(Agent.objects.values_list("name", flat=True)) == {"echo", "t2-alpha", "t2-beta"}
@@ -375,11 +375,11 @@ def test_apply_agents_refuses_an_unreadable_file(tmp_path, name, text, db_access
         call("apply_agents", str(path))
 
 
-def test_a_refused_file_exits_non_zero_and_says_why(pg_stack, tmp_path, db_access):
+def test_a_refused_file_exits_non_zero_and_says_why(engine, tmp_path, db_access):
     from agents.models import Agent
 
     path = write(tmp_path, "bad.json", [ALPHA, _bad(version="1.0")])
-    result = cli(pg_stack, "apply_agents", path)
+    result = cli(engine, "apply_agents", path)
     assert result.returncode != 0
     assert "t2-bad" in result.stderr and "semantic version" in result.stderr
     assert "Traceback" not in result.stderr

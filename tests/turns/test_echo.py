@@ -1,5 +1,5 @@
 """Every echo command in the three stream modes, the fold invariant, SSE details and the
-compacted history window; against the production stack and the embedded mode."""
+compacted history window; in process, turns run by the embedded engine."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from .turns import (
+from ..turn_checks import (
     assert_sse_shape,
     checked_turn,
     deltas,
@@ -20,9 +20,9 @@ from .turns import (
 PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 
 
-def test_plain_message_is_echoed_word_by_word(client):
-    session = client.create_session("echo")
-    results = same_turn_in_every_mode(client, session, user("hello  there world"))
+def test_plain_message_is_echoed_word_by_word(demo):
+    session = demo.create_session("echo")
+    results = same_turn_in_every_mode(demo, session, user("hello  there world"))
     assert results["none"].messages == text_reply("echo: hello  there world")
     assert results["none"].stop_reason == "end_turn"
     # one text_delta per word, each keeping its following whitespace
@@ -30,37 +30,37 @@ def test_plain_message_is_echoed_word_by_word(client):
     assert results["message"].names == ["turn_start", "text", "turn_stop"]
 
 
-def test_style_upper_uppercases_the_text(client):
-    session = new_session(client, "echo", options={"style": "upper"})
-    results = same_turn_in_every_mode(client, session, user("Hello there"))
+def test_style_upper_uppercases_the_text(demo):
+    session = new_session(demo, "echo", options={"style": "upper"})
+    results = same_turn_in_every_mode(demo, session, user("Hello there"))
     assert results["none"].messages == text_reply("echo: HELLO THERE")
     assert deltas(results["delta"]) == ["echo: ", "HELLO ", "THERE"]
 
 
-def test_signature_is_appended(client):
-    session = new_session(client, "echo", options={"signature": "Ada L."})
-    results = same_turn_in_every_mode(client, session, user("hi"))
+def test_signature_is_appended(demo):
+    session = new_session(demo, "echo", options={"signature": "Ada L."})
+    results = same_turn_in_every_mode(demo, session, user("hi"))
     assert results["none"].messages == text_reply("echo: hi -- Ada L.")
     assert "".join(deltas(results["delta"])) == "echo: hi -- Ada L."
 
 
-def test_image_blocks_are_counted_for_https_and_data_urls(client):
-    session = new_session(client, "echo", options={"style": "upper", "signature": "S"})
+def test_image_blocks_are_counted_for_https_and_data_urls(demo):
+    session = new_session(demo, "echo", options={"style": "upper", "signature": "S"})
     content = [
         {"type": "text", "text": "look"},
         {"type": "image", "url": "https://example.com/cat.png"},
         {"type": "text", "text": "here"},
         {"type": "image", "url": PNG},
     ]
-    results = same_turn_in_every_mode(client, session, user(content))
+    results = same_turn_in_every_mode(demo, session, user(content))
     # text blocks join with a newline; the incoming blocks are stored byte-for-byte
     assert results["none"].messages == text_reply("echo: LOOK\nHERE [images: 2] -- S")
-    assert client.history(session)[0] == {"role": "user", "content": content}
+    assert demo.history(session)[0] == {"role": "user", "content": content}
 
 
-def test_think_streams_a_thinking_part_then_the_reply(client):
-    session = client.create_session("echo")
-    results = same_turn_in_every_mode(client, session, user("/think about cats"))
+def test_think_streams_a_thinking_part_then_the_reply(demo):
+    session = demo.create_session("echo")
+    results = same_turn_in_every_mode(demo, session, user("/think about cats"))
     assert results["none"].messages == [
         {
             "role": "assistant",
@@ -75,59 +75,59 @@ def test_think_streams_a_thinking_part_then_the_reply(client):
     assert results["message"].names == ["turn_start", "thinking", "text", "turn_stop"]
 
 
-def test_refuse_stops_with_refusal_and_no_content(client):
-    session = client.create_session("echo")
-    results = same_turn_in_every_mode(client, session, user("/refuse"))
+def test_refuse_stops_with_refusal_and_no_content(demo):
+    session = demo.create_session("echo")
+    results = same_turn_in_every_mode(demo, session, user("/refuse"))
     for result in results.values():
         assert result.stop_reason == "refusal"
         assert result.messages == []
     assert results["delta"].names == results["message"].names == ["turn_start", "turn_stop"]
 
 
-def test_max_stops_with_max_tokens_after_truncated_text(client):
-    session = client.create_session("echo")
-    results = same_turn_in_every_mode(client, session, user("/max"))
+def test_max_stops_with_max_tokens_after_truncated_text(demo):
+    session = demo.create_session("echo")
+    results = same_turn_in_every_mode(demo, session, user("/max"))
     assert results["none"].stop_reason == "max_tokens"
     assert results["none"].messages == text_reply("echo: truncated")
     assert deltas(results["delta"]) == ["echo: ", "truncated"]
 
 
-def test_slow_ticks_are_one_delta_each_and_one_text_in_message_mode(client):
-    session = client.create_session("echo")
-    results = same_turn_in_every_mode(client, session, user("/slow 4 50"))
+def test_slow_ticks_are_one_delta_each_and_one_text_in_message_mode(demo):
+    session = demo.create_session("echo")
+    results = same_turn_in_every_mode(demo, session, user("/slow 4 50"))
     assert results["none"].messages == text_reply("tick 1 tick 2 tick 3 tick 4 ")
     assert deltas(results["delta"]) == ["tick 1 ", "tick 2 ", "tick 3 ", "tick 4 "]
     assert results["message"].names == ["turn_start", "text", "turn_stop"]
 
 
-def test_whoami_reports_options_without_revealing_the_secret(client):
-    session = new_session(client, "echo", options={"signature": "me", "apiKey": "sk-whoami-1"})
-    results = same_turn_in_every_mode(client, session, user("/whoami"))
+def test_whoami_reports_options_without_revealing_the_secret(demo):
+    session = new_session(demo, "echo", options={"signature": "me", "apiKey": "sk-whoami-1"})
+    results = same_turn_in_every_mode(demo, session, user("/whoami"))
     digest = hashlib.sha256(b"sk-whoami-1").hexdigest()[:8]
     assert results["none"].messages == text_reply(f"style=plain signature=me apiKey={digest}")
     for result in results.values():
         assert b"sk-whoami-1" not in result.raw
-    unset = client.create_session("echo")
-    assert client.turn(unset, text="/whoami").messages == text_reply("style=plain signature= apiKey=unset")
+    unset = demo.create_session("echo")
+    assert demo.turn(unset, text="/whoami").messages == text_reply("style=plain signature= apiKey=unset")
 
 
-def test_error_ends_the_turn_and_leaves_the_session_usable(client):
-    session = client.create_session("echo")
-    results = same_turn_in_every_mode(client, session, user("/error"))
+def test_error_ends_the_turn_and_leaves_the_session_usable(demo):
+    session = demo.create_session("echo")
+    results = same_turn_in_every_mode(demo, session, user("/error"))
     for result in results.values():
         assert result.stop_reason == "error"
         assert result.messages == []
     assert results["delta"].names == ["turn_start", "turn_stop"]
     # the incoming messages stayed (checked_turn), and the session takes the next turn
-    after = checked_turn(client, session, user("still here"))
+    after = checked_turn(demo, session, user("still here"))
     assert after.messages == text_reply("echo: still here")
-    assert [m["content"] for m in client.history(session) if m["role"] == "user"] == ["/error"] * 3 + ["still here"]
+    assert [m["content"] for m in demo.history(session) if m["role"] == "user"] == ["/error"] * 3 + ["still here"]
 
 
-def test_sse_events_carry_increasing_ids_and_the_turn_id(client):
-    session = client.create_session("echo")
+def test_sse_events_carry_increasing_ids_and_the_turn_id(demo):
+    session = demo.create_session("echo")
     for mode in ("delta", "message"):
-        result = client.turn(session, text="/think ids please", stream=mode)
+        result = demo.turn(session, text="/think ids please", stream=mode)
         assert result.status == 200
         assert result.headers["content-type"].startswith("text/event-stream")
         assert_sse_shape(result.events, result.turn_id)
@@ -135,42 +135,43 @@ def test_sse_events_carry_increasing_ids_and_the_turn_id(client):
 
 
 @pytest.mark.parametrize("mode", ["delta", "message"])
-def test_quiet_turn_keeps_the_stream_alive_with_pings(stack, client, mode):
-    session = client.create_session("echo")
-    result = client.turn(session, text="/slow 3 2500", stream=mode)
+def test_quiet_turn_keeps_the_stream_alive_with_pings(demo, mode):
+    session = demo.create_session("echo")
+    # Two seconds without an event, twice the tier's AAP_SSE_PING_SECONDS.
+    result = demo.turn(session, text="/slow 2 2000", stream=mode)
     assert result.status == 200
     assert result.pings >= 1, result.raw
     assert b": ping\n\n" in result.raw
     assert_sse_shape(result.events, result.turn_id)
-    assert result.messages == text_reply("tick 1 tick 2 tick 3 ")
+    assert result.messages == text_reply("tick 1 tick 2 ")
 
 
-def test_compacted_history_keeps_the_last_window_messages(client):
-    session = client.create_session("echo-small")
-    checked_turn(client, session, user("one"))
-    assert client.history(session, "compacted") == client.history(session)
-    checked_turn(client, session, user("two"))
-    checked_turn(client, session, user("three"), stream="delta")
-    full = client.history(session)
+def test_compacted_history_keeps_the_last_window_messages(demo):
+    session = demo.create_session("echo-small")
+    checked_turn(demo, session, user("one"))
+    assert demo.history(session, "compacted") == demo.history(session)
+    checked_turn(demo, session, user("two"))
+    checked_turn(demo, session, user("three"), stream="delta")
+    full = demo.history(session)
     assert [m["role"] for m in full] == ["user", "assistant"] * 3
     assert [m["content"] for m in full if m["role"] == "user"] == ["one", "two", "three"]
-    assert client.history(session, "compacted") == full[-3:]
+    assert demo.history(session, "compacted") == full[-3:]
 
 
-def test_compacted_history_never_opens_on_a_cut_off_tool_result(client):
-    session = new_session(client, "echo-small", server_tools=[{"name": "clock", "trust": True}])
-    checked_turn(client, session, user("first"))
+def test_compacted_history_never_opens_on_a_cut_off_tool_result(demo):
+    session = new_session(demo, "echo-small", server_tools=[{"name": "clock", "trust": True}])
+    checked_turn(demo, session, user("first"))
     result = checked_turn(
-        client,
+        demo,
         session,
         user('/tools [{"name": "clock", "input": {}}, {"name": "clock", "input": {}}]'),
         stream="message",
     )
-    full = client.history(session)
+    full = demo.history(session)
     # user, assistant; user, assistant(2 tool_use), tool, tool, assistant(reply)
     assert [m["role"] for m in full] == ["user", "assistant", "user", "assistant", "tool", "tool", "assistant"]
     assert full[2:] == user('/tools [{"name": "clock", "input": {}}, {"name": "clock", "input": {}}]') + result.messages
     # the last 3 are tool, tool, reply: both tool results lost their call, so only the reply stays
-    assert client.history(session, "compacted") == full[-1:]
-    checked_turn(client, session, user("after"))
-    assert client.history(session, "compacted") == client.history(session)[-3:]
+    assert demo.history(session, "compacted") == full[-1:]
+    checked_turn(demo, session, user("after"))
+    assert demo.history(session, "compacted") == demo.history(session)[-3:]

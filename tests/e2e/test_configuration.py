@@ -1,5 +1,6 @@
 """Settings from the environment, on a second Daphne over the same database: `AAP_PUBLIC_META=false`
-and a `REDIS_URL` where nothing answers (health reports it; sessions still work without a turn)."""
+and a `REDIS_URL` where nothing answers (health reports it; sessions still work without a turn);
+and health on the stack whose PostgreSQL and Redis answer."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from .support import BIN, Stack, free_port
+from ..support import BIN, Stack, free_port
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +78,9 @@ def test_sessions_and_history_do_not_need_redis(restricted):
     assert demo.history(session) == seed
     assert demo.delete(f"/v1/sessions/{session}").status_code == 204
     demo.close()
+
+
+def test_health_is_ok_when_database_and_redis_answer(pg_stack):
+    response = httpx.get(pg_stack.base_url + "/healthz", timeout=30)
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok", "checks": {"database": "ok", "redis": "ok"}}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 
-from .support import ROOT
+from ..support import ROOT
 
 
 def dry_run(target: str, venv) -> str:

@@ -30,8 +30,8 @@ def assert_json_error(response: httpx.Response, status: int | None = None) -> st
 
 
 @pytest.fixture(scope="module")
-def session(pg_stack) -> str:
-    client = pg_stack.client("demo")
+def session(engine) -> str:
+    client = engine.client("demo")
     session = client.create_session("echo")
     client.close()
     return session
@@ -186,8 +186,8 @@ def test_an_unknown_path_is_a_json_404(demo, path):
     assert_json_error(demo.post(path, {}), 404)
 
 
-def test_an_unknown_path_is_a_json_404_without_a_token_too(pg_stack):
-    assert_json_error(httpx.get(pg_stack.base_url + "/v1/nope", timeout=30), 404)
+def test_an_unknown_path_is_a_json_404_without_a_token_too(engine):
+    assert_json_error(engine.request("GET", "/v1/nope"), 404)
 
 
 # --- any shape of body ---------------------------------------------------------------------------
