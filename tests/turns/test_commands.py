@@ -345,7 +345,9 @@ INVALID_FILES = {
 
 
 @pytest.mark.parametrize("case", list(INVALID_FILES))
-def test_apply_agents_refuses_an_invalid_file_with_a_readable_message(db_access, tmp_path, case):
+def test_apply_agents_refuses_an_invalid_file_with_a_readable_message(engine, db_access, tmp_path, case):
+    """`engine`: the tenants the entries name exist (they are seeded with the engine), so each
+    case is refused for its own fault, whatever ran before it on this worker."""
     from agents.models import Agent
 
     entries, fragments = INVALID_FILES[case]
