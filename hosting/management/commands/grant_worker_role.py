@@ -12,10 +12,13 @@ owner's DATABASE_URL, creates it or sets its password and attributes, then grant
     CONNECT on the database, USAGE on the schema
     SELECT, INSERT, UPDATE, DELETE   the tables of sessions_app, and agents' McpToolList
     SELECT                           the other tables of hosting and agents, except API tokens
+    UPDATE (updated_at)              agents_agent: that column only
 
 McpToolList holds what an agent's MCP servers answered to `tools/list`, which the workers
 ask them (the web never starts a server: agents.mcp_registry); nothing of the agent's
-definition is in it.
+definition is in it. When a server says its list changed, the worker stores the new one and
+moves the agent's `updated_at` (its revision, which every process's cache of the agent
+follows): a timestamp, nothing of the definition.
 
 and revokes everything else on the schema's tables, so it is safe to run again (the container
 entrypoint's `init` runs it after every `migrate`, which covers tables a release adds). Without
@@ -35,6 +38,8 @@ WRITES = ("sessions_app",)
 READS = ("hosting", "agents")
 HIDDEN = {"hosting.ApiToken"}  # token hashes: only the web authenticates
 WRITTEN = {"agents.McpToolList"}  # of the read-only apps, the tables a worker writes too
+# Of the read-only tables, the columns a worker updates: an agent's revision (agents.mcp_registry).
+COLUMNS_WRITTEN = {"agents.Agent": ("updated_at",)}
 
 
 def tables(labels) -> list[str]:
@@ -131,6 +136,15 @@ class Command(BaseCommand):
                             tables=_list(writes),
                             who=who,
                         )
+                    for label, columns in COLUMNS_WRITTEN.items():
+                        table = apps.get_model(label)._meta.db_table
+                        if table in existing:
+                            run(
+                                sql.SQL("GRANT UPDATE ({columns}) ON {table} TO {who}"),
+                                columns=_list(columns),
+                                table=sql.Identifier(table),
+                                who=who,
+                            )
             except DatabaseError as exc:
                 if not isinstance(exc.__cause__, errors.InsufficientPrivilege):
                     raise
