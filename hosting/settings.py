@@ -277,6 +277,10 @@ AAP_TURN_LEASE_SECONDS = env_float("AAP_TURN_LEASE_SECONDS", 10.0)
 # A worker with a free thread looks for waiting turns this often, besides its wake-ups (a
 # wake-up lost with Redis, or taken by a busy worker, costs at most this much latency).
 AAP_WORKER_POLL_SECONDS = env_float("AAP_WORKER_POLL_SECONDS", 1.0)
+# The queue this deployment's turns wait in, in PostgreSQL: its workers claim only those. Two
+# deployments that share one database but not one Redis must each have their own (a turn's
+# events go to the Redis of the worker that runs it, and its clients follow their web's).
+AAP_TURN_QUEUE = os.environ.get("AAP_TURN_QUEUE", "default")
 # A turn pinned to the worker that holds its prompt (an answer to a permission request)
 # goes to any worker once it waited this long (the holder is gone).
 AAP_TURN_PIN_SECONDS = env_float("AAP_TURN_PIN_SECONDS", 30.0)

@@ -116,6 +116,9 @@ class Turn(models.Model):
     # The worker that must run it (it holds the prompt this turn answers, ACP); empty: any.
     # Another worker may take it once AAP_TURN_PIN_SECONDS passed (the holder is gone).
     pinned_node = models.CharField(max_length=200, blank=True, default="", db_default="")
+    # The queue it waits in (AAP_TURN_QUEUE of the web that accepted it): only workers of the
+    # same queue claim it.
+    queue = models.CharField(max_length=64, default="default", db_default="default")
     # The W3C traceparent of the request that accepted it: its run continues that trace.
     trace_parent = models.CharField(max_length=64, blank=True, default="", db_default="")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
@@ -60,10 +61,11 @@ def slots_in_use() -> tuple[int, int]:
 _FAIR_ORDER = (
     f"WITH inflight AS (SELECT s.tenant_id AS tenant_id, COUNT(*) AS n FROM {T} t "
     f"JOIN {S} s ON s.id = t.session_id WHERE {_IN_FLIGHT} GROUP BY s.tenant_id), "
-    f"waiting AS (SELECT t.id AS id, t.created_at AS created_at, t.pinned_node AS pinned_node, s.tenant_id AS tenant_id, "
+    f"waiting AS (SELECT t.id AS id, t.created_at AS created_at, t.pinned_node AS pinned_node, t.queue AS queue, "
+    f"s.tenant_id AS tenant_id, "
     f"ROW_NUMBER() OVER (PARTITION BY s.tenant_id ORDER BY t.created_at, t.id) AS n "
     f"FROM {T} t JOIN {S} s ON s.id = t.session_id WHERE {_WAITING}), "
-    f"ranked AS (SELECT w.id AS id, w.created_at AS created_at, w.pinned_node AS pinned_node, "
+    f"ranked AS (SELECT w.id AS id, w.created_at AS created_at, w.pinned_node AS pinned_node, w.queue AS queue, "
     f"(COALESCE(i.n, 0) + w.n) * 1.0 / tn.weight AS share, "
     f"CASE WHEN COALESCE(tn.max_running_turns, %s) = 0 "
     f"OR COALESCE(i.n, 0) + w.n <= COALESCE(tn.max_running_turns, %s) THEN 1 ELSE 0 END AS may_start "
@@ -80,14 +82,14 @@ def fair_order(
     at once: lowest of that per unit of the tenant's weight first, then oldest first (so a
     tenant's own turns keep their order). A turn that would pass its tenant's running-turns
     limit (`default_max_running` where the tenant sets none; 0: no limit) may not start yet:
-    those come last. With `node`: only the turns a thread of that worker may take (not
-    pinned to another worker, or accepted before `pinned_before`)."""
+    those come last. With `node`: only the turns a thread of that worker may take (in its
+    queue, AAP_TURN_QUEUE; not pinned to another worker, or accepted before `pinned_before`)."""
     order, params = _IN_FAIR_ORDER, [default_max_running, default_max_running, limit]
     if node is not None:
         order = order.replace(
-            "FROM ranked", "FROM ranked WHERE (pinned_node = '' OR pinned_node = %s OR created_at < %s)"
+            "FROM ranked", "FROM ranked WHERE queue = %s AND (pinned_node = '' OR pinned_node = %s OR created_at < %s)"
         )
-        params[2:2] = [node, connection.ops.adapt_datetimefield_value(pinned_before)]
+        params[2:2] = [settings.AAP_TURN_QUEUE, node, connection.ops.adapt_datetimefield_value(pinned_before)]
     with connection.cursor() as cursor:
         cursor.execute(f"{_FAIR_ORDER}SELECT id, may_start {order}", params)
         return [(row[0], bool(row[1])) for row in cursor.fetchall()]
@@ -99,7 +101,8 @@ def fair_order(
 _CLAIM = (
     f"{_FAIR_ORDER[len('WITH ') :]}, "
     f"pick AS (SELECT q.id FROM {T} q JOIN (SELECT id, share, created_at FROM ranked WHERE may_start = 1 "
-    f"AND (pinned_node = '' OR pinned_node = %s OR created_at < %s) ORDER BY share, created_at, id LIMIT %s) r "
+    f"AND queue = %s AND (pinned_node = '' OR pinned_node = %s OR created_at < %s) "
+    f"ORDER BY share, created_at, id LIMIT %s) r "
     f"ON r.id = q.id WHERE q.status = '{Turn.QUEUED}' ORDER BY r.share, r.created_at, r.id LIMIT 1 "
     f"FOR UPDATE OF q SKIP LOCKED), "
     f"claimed AS (UPDATE {T} SET status = '{Turn.RUNNING}', started_at = %s, heartbeat_at = %s "
@@ -115,7 +118,7 @@ def claim_next(
 ) -> tuple[str, turn_store.ClaimedTurn] | None:
     """The one hand-off of a turn to a worker thread: claim the waiting turn the fair order
     gives the slot of a thread of worker `node`, with its session; None when none may start
-    now. A turn pinned to another worker is taken once it was accepted before `pinned_before`."""
+    now. Only turns of this process's queue (AAP_TURN_QUEUE). A turn pinned to another worker is taken once it was accepted before `pinned_before`."""
     started = timezone.now()
     now = connection.ops.adapt_datetimefield_value(started)
     pinned = connection.ops.adapt_datetimefield_value(pinned_before)
@@ -128,7 +131,7 @@ def claim_next(
     with connection.cursor() as cursor:
         cursor.execute(
             turn_store.with_session(_CLAIM, "claimed"),
-            [default_max_running, default_max_running, node, pinned, _PICKS, now, now],
+            [default_max_running, default_max_running, settings.AAP_TURN_QUEUE, node, pinned, _PICKS, now, now],
         )
         row = cursor.fetchone()
     return (row[0], turn_store.claimed(row[1:], started)) if row else None

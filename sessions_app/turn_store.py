@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
@@ -209,8 +210,8 @@ def insert_turn(
     with connection.cursor() as cursor:
         cursor.execute(
             f"INSERT INTO {T} (id, session_id, status, stream, stop_reason, cancelled, permissions, error, "
-            f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq, pinned_node, trace_parent) "
-            f"VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0, %s, %s)",
+            f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq, pinned_node, trace_parent, "
+            f"queue) VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0, %s, %s, %s)",
             [
                 turn_id,
                 session_pk,
@@ -221,6 +222,7 @@ def insert_turn(
                 _now(),
                 node or "",
                 trace_parent,
+                settings.AAP_TURN_QUEUE,
             ],
         )
 

@@ -415,3 +415,19 @@ class Stack:
 
     def anonymous(self) -> AAP:
         return AAP(self.base_url, None)
+
+
+def committed(fn):
+    """Run ORM code on a connection of its own, outside the test's transaction, so the stack sees it."""
+    from django.db import connection
+
+    def run():
+        try:
+            return fn()
+        finally:
+            connection.close()
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(run).result()

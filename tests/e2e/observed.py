@@ -17,7 +17,8 @@ METRICS_TOKEN = "metrics-token-for-the-suite-0123456789"
 def observed_stack(pg_stack: Stack, log_dir, name: str, env: dict, *, redis_db: int) -> Stack:
     parts = urlsplit(pg_stack.env["REDIS_URL"])
     redis_url = urlunsplit(parts._replace(path=f"/{redis_db}"))
-    stack = Stack(name, {**pg_stack.env, "REDIS_URL": redis_url, **env}, log_dir)
+    # A Redis of its own, so a queue of its own too: the suite's worker never runs its turns.
+    stack = Stack(name, {**pg_stack.env, "REDIS_URL": redis_url, "AAP_TURN_QUEUE": name, **env}, log_dir)
     stack.tokens = dict(pg_stack.tokens)
     try:
         stack.start_web()

@@ -130,7 +130,7 @@ def test_sessions_limit_refuses_a_new_session(stack, tmp_path):
 def test_tokens_per_day_refuse_once_the_recorded_usage_reaches_the_allowance(pg_stack, tmp_path, db_access):
     from sessions_app.models import Turn
 
-    from ..test_auth import committed
+    from ..support import committed
 
     _, client = limited_tenant(pg_stack, tmp_path, tokensPerDay=1000)
     session = client.create_session("echo")

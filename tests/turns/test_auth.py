@@ -4,25 +4,12 @@ from __future__ import annotations
 
 import re
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import httpx
 import pytest
 
-
-def committed(fn):
-    """Run ORM code on a connection of its own, outside the test's transaction, so the stack sees it."""
-    from django.db import connection
-
-    def run():
-        try:
-            return fn()
-        finally:
-            connection.close()
-
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(run).result()
+from ..support import committed
 
 
 def manage(*args: str) -> str:

@@ -19,8 +19,7 @@ import pytest
 import yaml
 from django.core.management import CommandError, call_command
 
-from ..support import PYTHON, ROOT
-from .test_auth import committed
+from ..support import PYTHON, ROOT, committed
 
 ALPHA_SECRET = f"sk-alpha-{uuid.uuid4().hex}"
 

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from .test_auth import committed
+from ..support import committed
 
 SESSION_ID = re.compile(r"^sess_([A-Za-z0-9_-]+)$")
 
