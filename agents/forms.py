@@ -83,7 +83,7 @@ def runtime_config_help() -> str:
     for kind in RUNTIME_KINDS:
         try:
             schema = runtime_class(kind).config_schema
-        except Exception:  # an optional runtime whose SDK is missing still gets its example
+        except ImportError:  # an optional runtime whose SDK is missing still gets its example
             schema = {}
         rows.append((kind, _compact(CONFIG_EXAMPLES.get(kind, {})), json.dumps(schema, indent=2)))
     items = format_html_join(

@@ -144,8 +144,8 @@ async def timed_turn(plan, coro):
             MODEL_CALLS.labels(agent).inc(outcome.model_calls)
             LLM_TOKENS.labels(agent, tenant, "prompt").inc(outcome.prompt_tokens)
             LLM_TOKENS.labels(agent, tenant, "completion").inc(outcome.completion_tokens)
-    except Exception as exc:  # a metric must never cost a turn its outcome
-        logger.warning("turn metrics failed: %s", type(exc).__name__)
+    except Exception:  # a metric must never cost a turn its outcome
+        logger.warning("turn metrics failed", exc_info=True)
     return outcome
 
 

@@ -39,5 +39,5 @@ def shutdown_all() -> None:
     for runtime in list(_instances.values()):
         try:
             runtime.shutdown()
-        except Exception as exc:
-            logging.getLogger(__name__).warning("stopping runtime %s failed: %s", runtime.kind, type(exc).__name__)
+        except Exception:  # the exit's boundary: every other runtime still stops
+            logging.getLogger(__name__).warning("stopping runtime %s failed", runtime.kind, exc_info=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+from hosting.outages import OUTAGE_ERRORS
+
 from .. import events, turn_store
 from ..models import Turn
 from ..protocol import fold
@@ -43,7 +45,8 @@ def publish_stop_if_missing(turn_id: str) -> None:
         if last is None or last[1].get("event") == "turn_stop":
             return
         streamed = events.backend().read_all_sync(turn_id)
-    except Exception:
+    except OUTAGE_ERRORS:
+        logger.warning("turn %s: its live events are unreadable; no turn_stop is rebuilt", turn_id, exc_info=True)
         return
     if not _tells_what_history_keeps(turn, streamed):
         logger.warning("turn %s: its live events miss part of its output; no turn_stop is rebuilt", turn_id)
@@ -179,12 +182,12 @@ def publish_stop(turn_id: str, stop_reason: str, meta: dict, *, seq: int | None 
     try:
         # The last event: its publish also clears the turn's lease.
         backend.publish_sync(turn_id, seq or events.last_seq_sync(turn_id) + 1, event, final=True)
-    except Exception as exc:
-        logger.warning("could not publish turn_stop of %s: %s", turn_id, type(exc).__name__)
+    except Exception:  # the turn's ending stands in PostgreSQL whatever its live event does
+        logger.warning("could not publish turn_stop of %s", turn_id, exc_info=True)
         try:
             backend.clear_lease_sync(turn_id)
-        except Exception:
-            pass
+        except Exception:  # the lease expires by itself
+            logger.warning("could not clear the lease of %s", turn_id, exc_info=True)
 
 
 def turn_result(turn_id: str) -> dict | None:

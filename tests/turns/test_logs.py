@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import logging.config
+import json
 import time
 
 from hosting.logs import bind_log_context, current_log_context, log_context
@@ -62,3 +63,30 @@ def test_a_failing_turn_is_logged_by_the_worker_with_its_ids(demo, captured):
     for line in mine:
         assert line["session"] == session_id and line["tenant"] == "demo", line
     assert any(line["level"] == "ERROR" and result.turn_id in line["message"] for line in mine)
+
+
+def test_a_code_bug_in_a_service_is_logged_with_its_frames_and_no_secret(demo, captured, monkeypatch):
+    """A TypeError inside a service (a code bug, not an outage): the request's boundary logs
+    it with the request's ids and a traceback down to the failing frame, without the
+    exception's message, which here quotes a secret; the client gets a JSON 500."""
+    from sessions_app.services import sessions
+
+    secret = "sk-live-" + "5e" * 16
+
+    def _session_create(**kwargs):
+        raise TypeError(f"can only concatenate str (not 'NoneType') to str: {secret}")
+
+    monkeypatch.setattr(sessions, "_session_create", _session_create)
+    response = demo.post("/v1/sessions", {"agent": {"name": "echo", "options": {"apiKey": secret}}})
+    assert response.status_code == 500 and secret not in response.text
+    assert "it was logged" in response.json()["error"]
+    lines = [line for line in captured() if line["level"] == "ERROR" and "exc_info" in line]
+    assert lines, "the failure was logged with its traceback"
+    line = lines[-1]
+    assert line["message"] == "unhandled error in SessionsView" and line["tenant"] == "demo"
+    trace = line["exc_info"]
+    assert trace.startswith("Traceback (most recent call last):")
+    assert "sessions_app/services/sessions.py" in trace and ", in session_create\n" in trace
+    assert ", in _session_create\n" in trace and "test_logs.py" in trace
+    assert trace.endswith("TypeError (message withheld)")
+    assert secret not in json.dumps(captured())

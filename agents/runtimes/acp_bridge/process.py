@@ -598,8 +598,8 @@ class AgentProcess:
         if exited:  # what it left running goes too
             try:
                 await self.stop(self.failure)
-            except Exception as exc:
-                logger.warning("stopping what ACP agent %s left failed: %s", self.spec.label, type(exc).__name__)
+            except Exception:  # the watcher's boundary: the unit is killed with the worker at worst
+                logger.warning("stopping what ACP agent %s left failed", self.spec.label, exc_info=True)
 
     async def stop(self, reason: str, *, kill: bool = False) -> None:
         """Stop the process (gracefully unless `kill`); once it is gone, so is the rest of its
