@@ -3,9 +3,9 @@ and the routine sweep kept out of INFO."""
 
 from __future__ import annotations
 
+import json
 import logging
 import logging.config
-import json
 import time
 
 from hosting.logs import bind_log_context, current_log_context, log_context
