@@ -212,7 +212,7 @@ def test_apply_agents_from_yaml_and_json_is_idempotent(client, engine, db_access
         "capabilities": {"history": {"compacted": {}, "full": {}}, "stream": {"delta": {}, "message": {}, "none": {}}},
     }
     rows = lambda: (
-        Agent.objects.filter(name__startswith="t2-").count(),  # noqa: E731
+        Agent.objects.filter(name__startswith="t2-").count(),
         AgentOption.objects.filter(agent__name__startswith="t2-").count(),
         ServerTool.objects.filter(agent__name__startswith="t2-").count(),
     )
@@ -345,7 +345,9 @@ INVALID_FILES = {
 
 
 @pytest.mark.parametrize("case", list(INVALID_FILES))
-def test_apply_agents_refuses_an_invalid_file_with_a_readable_message(db_access, tmp_path, case):
+def test_apply_agents_refuses_an_invalid_file_with_a_readable_message(engine, db_access, tmp_path, case):
+    """`engine` seeds the tenants the file names: on a worker where this test runs first, the
+    refusal must still be the one about the case, not about an unknown tenant."""
     from agents.models import Agent
 
     entries, fragments = INVALID_FILES[case]
