@@ -204,8 +204,8 @@ def refresh(agent) -> tuple[list[dict], dict]:
         McpToolList.objects.update_or_create(
             agent_id=agent.pk, defaults={"revision": agent.updated_at, "tools": tools, "problems": problems}
         )
-    for server, problem in problems.items():
-        logger.warning("MCP server %s/%s listed no tools: %s", agent.name, server, problem)
+    for name, problem in problems.items():
+        logger.warning("MCP server %s/%s listed no tools: %s", agent.name, name, problem)
     return tools, problems
 
 

@@ -16,21 +16,26 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from types import TracebackType
+from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter
 
 #: The ids of the work at hand: any of tenant, session, turn.
 _ids: ContextVar[dict[str, str]] = ContextVar("aap_log_ids", default={})  # noqa: B039 (replaced, never mutated)
 
+#: What `sys.exc_info()` returns, as logging passes it to a formatter.
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
+
 ID_FIELDS = ("tenant", "session", "turn")
 # Periodic tasks whose every run would otherwise log three INFO lines (beat, received, succeeded).
 ROUTINE_TASKS = ("sessions_app.tasks.sweep_stale_turns", "sweep-stale-turns")
 
 
-def _clean(ids: dict) -> dict[str, str]:
+def _clean(ids: Mapping[str, object]) -> dict[str, str]:
     return {key: str(value) for key, value in ids.items() if key in ID_FIELDS and value}
 
 
@@ -114,7 +119,7 @@ def _frames_lines(exc: BaseException, seen: set[int], indent: str = "") -> list[
     return lines
 
 
-def format_exception_safely(exc_info: tuple | BaseException | None) -> str:
+def format_exception_safely(exc_info: ExcInfo | BaseException | None) -> str:
     """A traceback as frames and exception types, without messages or locals."""
     exc = exc_info[1] if isinstance(exc_info, tuple) else exc_info
     if exc is None:
@@ -135,17 +140,17 @@ class PlainFormatter(logging.Formatter):
         ids = " ".join(f"{key}={getattr(record, key)}" for key in ID_FIELDS if getattr(record, key, None))
         return f"{line} {ids}" if ids else line
 
-    def formatException(self, ei) -> str:
+    def formatException(self, ei: ExcInfo) -> str:
         return format_exception_safely(ei)
 
 
 class SafeJsonFormatter(JsonFormatter):
     """python-json-logger's formatter with the traceback (`exc_info`) rendered as frames."""
 
-    def formatException(self, ei) -> str:  # type: ignore[override]
+    def formatException(self, ei: ExcInfo) -> str:
         return format_exception_safely(ei)
 
-    def add_fields(self, log_record: dict, record: logging.LogRecord, message_dict: dict) -> None:
+    def add_fields(self, log_record: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]) -> None:
         super().add_fields(log_record, record, message_dict)
         # A traceback another formatter cached on the record (exc_text) may hold a message.
         if "exc_info" in log_record:

@@ -225,14 +225,14 @@ class Connection:
                 transport = _stdio(self.process, self._closed)
             else:
                 transport = _http(self.server, self.headers)
-            async with transport as (read, write):
-                async with ClientSession(
-                    read, write, client_info=CLIENT_INFO, message_handler=self._on_message
-                ) as session:
-                    await session.initialize()
-                    self.session = session
-                    self._ready.set()
-                    await self._stop.wait()
+            async with (
+                transport as (read, write),
+                ClientSession(read, write, client_info=CLIENT_INFO, message_handler=self._on_message) as session,
+            ):
+                await session.initialize()
+                self.session = session
+                self._ready.set()
+                await self._stop.wait()
         except asyncio.CancelledError:
             raise
         except AddressRefused as exc:

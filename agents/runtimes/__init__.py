@@ -2,6 +2,7 @@
 
 import logging
 from functools import cache
+from typing import TYPE_CHECKING
 
 from django.utils.module_loading import import_string
 
@@ -24,7 +25,10 @@ def runtime_class(kind: str):
         raise ValueError(f"Unknown runtime kind {kind!r}; choose one of {', '.join(RUNTIME_KINDS)}.") from None
 
 
-_instances: dict[str, object] = {}
+if TYPE_CHECKING:
+    from .base import Runtime
+
+_instances: dict[str, "Runtime"] = {}
 
 
 def runtime_for(kind: str):

@@ -95,7 +95,7 @@ class FoldCursor:
     the one still open. A follower keeps one (not the events) to rebuild the rest of a turn
     whose live events were lost (`rebuilt_ending`)."""
 
-    __slots__ = ("closed", "blocks", "last_delta")
+    __slots__ = ("blocks", "closed", "last_delta")
 
     def __init__(self):
         self.closed = 0  # messages complete (an assistant message closed by a tool result, tool messages)

@@ -110,7 +110,7 @@ class V2ImageBlockSerializer(StrictSerializer):
     mimeType = StrictCharField(max_length=255)
     data = StrictCharField()
 
-    def validate_mimeType(self, value):  # noqa: N802 (the wire name)
+    def validate_mimeType(self, value):
         if not MIME_RE.match(value):
             raise serializers.ValidationError("A mimeType is type/subtype, e.g. image/png.")
         return value
@@ -146,7 +146,7 @@ class V2ToolSpecSerializer(v3.ToolSpecSerializer):
     parameters = None  # v2 names it inputSchema
     inputSchema = v3.JSONObjectField()
 
-    def validate_inputSchema(self, value):  # noqa: N802 (the wire name)
+    def validate_inputSchema(self, value):
         return self.validate_parameters(value)
 
 

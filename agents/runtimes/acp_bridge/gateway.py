@@ -25,6 +25,7 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeGuard
 from urllib.parse import urlsplit
 
 import httpx
@@ -100,9 +101,13 @@ def usage_of(obj) -> tuple[int, int] | None:
         return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     completion = usage.get("completion_tokens", usage.get("output_tokens"))
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (prompt, completion)):
+    if not (_is_count(prompt) and _is_count(completion)):
         return None
     return prompt, completion
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class _SseMeter:

@@ -436,11 +436,10 @@ class AgentProcess:
         breach = None
         if tasks >= bounds.processes:
             breach = f"The agent reached its limit of {bounds.processes} processes and threads"
-        elif self.cgroup is not None and self.cgroup.oom_kills() > self._oom_base:  # the kernel held the limit
-            breach = f"The agent used more than its memory limit of {limits.mib(bounds.memory_bytes)}"
-        elif self.cgroup is None and (
-            await asyncio.to_thread(limits.resident_bytes, pids) + hidden_memory > bounds.memory_bytes
-        ):
+        elif (self.cgroup is not None and self.cgroup.oom_kills() > self._oom_base) or (
+            self.cgroup is None
+            and (await asyncio.to_thread(limits.resident_bytes, pids) + hidden_memory > bounds.memory_bytes)
+        ):  # the kernel held the limit
             breach = f"The agent used more than its memory limit of {limits.mib(bounds.memory_bytes)}"
         elif disk:
             used = await asyncio.to_thread(limits.disk_bytes, box.writable) + hidden_disk
