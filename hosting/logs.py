@@ -127,6 +127,26 @@ def format_exception_safely(exc_info: ExcInfo | BaseException | None) -> str:
     return "".join(_frames_lines(exc, set())).rstrip("\n")
 
 
+class TaskFailureFilter(logging.Filter):
+    """Celery's line about a task that raised quotes the exception (`%(exc)s`, its repr) and
+    attaches the rendered traceback (`data`): both carry the message. The line keeps the
+    task's name and id and the exception's type; the traceback comes from `exc_info`, as
+    frames (the formatters above)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("celery") or not isinstance(record.args, Mapping):
+            return True
+        if "exc" not in record.args and "traceback" not in record.args:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        kind = _type_name(exc) if exc is not None else "an exception"
+        safe = {**record.args, "exc": f"{kind} (message withheld)", "traceback": "", "args": "", "kwargs": ""}
+        record.args = safe
+        if isinstance(getattr(record, "data", None), Mapping):
+            setattr(record, "data", safe)  # noqa: B010 (an extra of Celery's, unknown to LogRecord)
+        return True
+
+
 class PlainFormatter(logging.Formatter):
     """Text lines for a terminal, with the ids appended as key=value; tracebacks as frames."""
 

@@ -386,12 +386,13 @@ LOGGING = {
     "filters": {
         "ids": {"()": "hosting.logs.ContextFilter"},
         "routine": {"()": "hosting.logs.RoutineTaskFilter"},
+        "task_failures": {"()": "hosting.logs.TaskFailureFilter"},
     },
     "handlers": {
         "console": {
             "class": "logging.StreamHandler",
             "formatter": "plain" if LOG_FORMAT == "plain" else "json",
-            "filters": ["routine", "ids"],
+            "filters": ["routine", "task_failures", "ids"],
         },
     },
     "root": {"handlers": ["console"], "level": LOG_LEVEL},

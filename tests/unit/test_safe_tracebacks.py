@@ -7,10 +7,11 @@ import io
 import json
 import logging
 import sys
+import traceback
 
 import pytest
 
-from hosting.logs import PlainFormatter, format_exception_safely, json_formatter
+from hosting.logs import PlainFormatter, TaskFailureFilter, format_exception_safely, json_formatter
 
 SECRET = "sk-live-0123456789abcdef0123456789abcdef"
 
@@ -99,3 +100,42 @@ def test_a_module_level_exception_type_is_named_with_its_module():
         text = format_exception_safely(exc)
     assert text.endswith(f"{__name__}.{ServiceBroke.__qualname__} (message withheld)")
     assert SECRET not in text
+
+
+def test_celery_task_failures_lose_the_quoted_message_and_keep_the_frames():
+    """Celery logs a task that raised with the exception's repr in its line and the rendered
+    traceback as an extra (`data`): the service's filter withholds both."""
+    from celery.app.trace import LOG_FAILURE
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(json_formatter())
+    handler.addFilter(TaskFailureFilter())
+    logger = logging.getLogger("celery.app.trace")
+    logger.addHandler(handler)
+    try:
+        try:
+            _store_turn(SECRET)
+        except RuntimeError as exc:
+            context = {
+                "hostname": "w1",
+                "id": "5f1",
+                "name": "agents.tasks.list_mcp_tools",
+                "exc": repr(exc),
+                "traceback": "".join(traceback.format_exception(exc)),
+                "args": f"({SECRET!r},)",
+                "kwargs": "{}",
+                "description": "raised unexpected",
+                "internal": False,
+            }
+            assert SECRET in context["exc"] and SECRET in context["traceback"]  # positive control
+            logger.log(logging.ERROR, LOG_FAILURE.strip(), context, exc_info=sys.exc_info(), extra={"data": context})
+    finally:
+        logger.removeHandler(handler)
+    text = stream.getvalue()
+    line = json.loads(text)
+    assert SECRET not in text and SECRET[8:24] not in text
+    assert line["message"] == (
+        "Task agents.tasks.list_mcp_tools[5f1] raised unexpected: RuntimeError (message withheld)"
+    )
+    assert ", in _store_turn\n" in line["exc_info"] and ", in _query_with_parameters\n" in line["exc_info"]
