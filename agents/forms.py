@@ -168,6 +168,8 @@ class AgentOptionForm(forms.ModelForm):
 
     def clean(self):
         data = super().clean()
+        if data is None:  # Django's ModelForm returns its cleaned_data; the stubs allow None
+            data = self.cleaned_data
         if data.get("type") == AgentOption.SECRET:
             # A secret never round-trips through the form: keep, replace or clear it. Typed
             # into the plain default field (no script), it is still taken as the secret.

@@ -5,6 +5,7 @@ and the `none`-mode body."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from hosting.outages import OUTAGE_ERRORS
 
@@ -168,7 +169,7 @@ def rebuilt_ending(turn_id: str, cursor: FoldCursor, mode: str) -> list[dict] | 
         logger.warning("turn %s: what its follower was sent is not the start of its history", turn_id)
         return None
     stop_reason, meta = _stored_stop(turn)
-    stop = {"event": "turn_stop", "stopReason": stop_reason}
+    stop: dict[str, Any] = {"event": "turn_stop", "stopReason": stop_reason}
     if meta:
         stop["_meta"] = meta
     return [*tail, stop]
@@ -176,7 +177,7 @@ def rebuilt_ending(turn_id: str, cursor: FoldCursor, mode: str) -> list[dict] | 
 
 def publish_stop(turn_id: str, stop_reason: str, meta: dict, *, seq: int | None = None) -> None:
     backend = events.backend()
-    event = {"event": "turn_stop", "stopReason": stop_reason}
+    event: dict[str, Any] = {"event": "turn_stop", "stopReason": stop_reason}
     if meta:
         event["_meta"] = meta
     try:

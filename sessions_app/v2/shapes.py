@@ -11,6 +11,7 @@ Everything else (roles, blocks, options, events) is v3's, validated by v3's seri
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from rest_framework import serializers
@@ -92,7 +93,7 @@ def agent_info_to_v2(info: dict) -> dict:
     return info
 
 
-def session_to_v2(info: dict, history: dict[str, list[dict]]) -> dict:
+def session_to_v2(info: dict, history: Mapping[str, list[dict]]) -> dict:
     """A v3 SessionInfo and the history types the agent keeps, as a v2 SessionResponse."""
     body = dict(info)
     if "tools" in body:

@@ -216,7 +216,7 @@ def _limit_and_drop(policy: dict) -> None:
         try:
             _drop(int(policy["uid"]), int(policy["gid"]))
         except OSError as exc:
-            _fail(f"the agent's user could not be set ({errno.errorcode.get(exc.errno, 'error')})")
+            _fail(f"the agent's user could not be set ({errno.errorcode.get(exc.errno or 0, 'error')})")
 
 
 def confine(policy: dict) -> None:
@@ -275,7 +275,7 @@ def _join_cgroups(policy: dict) -> None:
             with open(procs, "w") as handle:
                 handle.write(str(os.getpid()))
         except OSError as exc:
-            _fail(f"the unit's cgroup could not be joined ({errno.errorcode.get(exc.errno, 'error')})")
+            _fail(f"the unit's cgroup could not be joined ({errno.errorcode.get(exc.errno or 0, 'error')})")
 
 
 def _bwrap_argv(policy: dict, command: list[str]) -> list[str]:
@@ -375,7 +375,7 @@ def _exec(command: list[str], env: dict, cwd: str) -> None:
         os.chdir(cwd or "/")
         os.execve(command[0], command, env)
     except OSError as exc:
-        _fail(f"the agent command could not be started ({errno.errorcode.get(exc.errno, 'error')})")
+        _fail(f"the agent command could not be started ({errno.errorcode.get(exc.errno or 0, 'error')})")
 
 
 def probe(bwrap: str, uid: int) -> None:
@@ -423,7 +423,7 @@ def main(argv: list[str]) -> None:
         try:
             os.execve(bwrap[0], bwrap, {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
         except OSError as exc:
-            _fail(f"bubblewrap could not be started ({errno.errorcode.get(exc.errno, 'error')})")
+            _fail(f"bubblewrap could not be started ({errno.errorcode.get(exc.errno or 0, 'error')})")
         return
     env = _read_env(policy)
     _join_cgroups(policy)
