@@ -90,3 +90,30 @@ def test_a_code_bug_in_a_service_is_logged_with_its_frames_and_no_secret(demo, c
     assert ", in _session_create\n" in trace and "test_logs.py" in trace
     assert trace.endswith("TypeError (message withheld)")
     assert secret not in json.dumps(captured())
+
+
+def test_a_code_bug_in_a_turn_is_logged_with_its_ids_frames_and_no_secret(demo, captured, monkeypatch):
+    """A TypeError inside a runtime while a turn runs: the turn ends with an error, and the
+    turn's boundary logs it with the tenant, session and turn, and the frames down to the
+    runtime, without the message (it quotes a secret)."""
+    from agents.runtimes.echo import EchoRuntime
+
+    secret = "sk-live-" + "7c" * 16
+
+    async def run(self, ctx):
+        raise TypeError(f"'NoneType' object is not subscriptable (key={secret})")
+
+    monkeypatch.setattr(EchoRuntime, "run", run)
+    session_id = demo.create_session("echo")
+    result = demo.turn(session_id, text="hi")
+    assert result.stop_reason == "error"
+    deadline = time.monotonic() + 30
+    while not (mine := [line for line in captured() if line.get("turn") == result.turn_id and "exc_info" in line]):
+        assert time.monotonic() < deadline, "the failed turn was never logged with its traceback"
+        time.sleep(0.1)
+    [line] = mine
+    assert line["level"] == "ERROR" and line["session"] == session_id and line["tenant"] == "demo"
+    trace = line["exc_info"]
+    assert "sessions_app/host.py" in trace and ", in run\n" in trace and "test_logs.py" in trace
+    assert trace.endswith("TypeError (message withheld)")
+    assert secret not in json.dumps(captured())

@@ -299,6 +299,8 @@ class AcpRuntime(Runtime):
             )
             raise AgentError(f"The agent failed the prompt (JSON-RPC error {result.code}).")
         if isinstance(result, BaseException):
+            # The prompt's boundary: the client reads the process's explanation, the log the frames.
+            logger.warning("ACP agent %s: its prompt failed", session.process.spec.label, exc_info=result)
             raise AgentError(await session.process.explain())
         breach = await session.process.check_limits()
         if breach:
