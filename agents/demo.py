@@ -23,7 +23,7 @@ from .models import Agent
 from .services import ECHO_AGENT, agents_apply
 
 DEMO_TENANT = "demo"
-DEMO_TOKEN_NAME = "seed_demo"
+DEMO_TOKEN_NAME = "seed_demo"  # noqa: S105 (the token's label, not the token)
 
 
 @dataclass
@@ -68,7 +68,8 @@ def demo_seed(*, assistant: bool = False, token: bool = True) -> DemoSeed:
         from .services import assistant_agent_entry
 
         entries.append(assistant_agent_entry())
-    created, kept = [], []
+    created: list[str] = []
+    kept: list[str] = []
     tenant, made = Tenant.objects.get_or_create(name=DEMO_TENANT, defaults={"title": "Demo tenant"})
     (created if made else kept).append(f"tenant {DEMO_TENANT}")
     existing = set(Agent.objects.filter(name__in=[e["name"] for e in entries]).values_list("name", flat=True))

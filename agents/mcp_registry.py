@@ -153,10 +153,10 @@ def request_listing(agent, *, again: bool = False) -> bool:
     task_id = f"mcp-list-{agent.pk}-{uuid.uuid4().hex}"
     try:
         broker.send_task(LIST_TASK, task_id, (agent.pk,), settings.CELERY_TASK_DEFAULT_QUEUE)
-    except Exception as exc:
+    except Exception:  # best effort: the admin page says the listing was not asked for
         with _lock:
             _asked.pop(agent.pk, None)
-        logger.warning("asking a worker to list the MCP servers of %s failed: %s", agent.name, type(exc).__name__)
+        logger.warning("asking a worker to list the MCP servers of %s failed", agent.name, exc_info=True)
         return False
     logger.info("asked a worker to list the MCP servers of agent %s", agent.name)
     return True
@@ -204,8 +204,8 @@ def refresh(agent) -> tuple[list[dict], dict]:
         McpToolList.objects.update_or_create(
             agent_id=agent.pk, defaults={"revision": agent.updated_at, "tools": tools, "problems": problems}
         )
-    for server, problem in problems.items():
-        logger.warning("MCP server %s/%s listed no tools: %s", agent.name, server, problem)
+    for name, problem in problems.items():
+        logger.warning("MCP server %s/%s listed no tools: %s", agent.name, name, problem)
     return tools, problems
 
 

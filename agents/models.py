@@ -1,6 +1,7 @@
 """The agent registry an operator edits in Django admin (or with `apply_agents`)."""
 
 import re
+from typing import Any
 
 import jsonschema
 from django.core.exceptions import ValidationError
@@ -93,7 +94,7 @@ class Agent(models.Model):
         }
         if supports.get("application_tools") and self.client_tools:
             caps["application"] = {"tools": {}}
-        image = {
+        image: dict[str, dict[str, Any]] = {
             kind: {}
             for kind, toggled in (("http", self.image_http), ("data", self.image_data))
             if toggled and kind in supports.get("image", ())
@@ -181,7 +182,7 @@ class ServerTool(models.Model):
             raise ValidationError({"settings": "Settings must be a JSON object."})
 
     def spec(self) -> dict:
-        spec = {"name": self.name}
+        spec: dict[str, Any] = {"name": self.name}
         if self.title:
             spec["title"] = self.title
         spec["description"] = self.description

@@ -68,8 +68,9 @@ async def resolve(host: str, port: int) -> list[str]:
         raise AddressRefused(f"The host {host} could not be resolved.") from None
     addresses: list[str] = []
     for info in infos:
-        if info[4][0] not in addresses:
-            addresses.append(info[4][0])
+        address = str(info[4][0])
+        if address not in addresses:
+            addresses.append(address)
     if not addresses:
         raise AddressRefused(f"The host {host} could not be resolved.")
     return addresses

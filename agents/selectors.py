@@ -30,7 +30,7 @@ def agent_for_tenant(name: str, tenant) -> Agent | None:
 
 
 def option_info(option: AgentOption) -> dict:
-    info = {"type": option.type, "name": option.name}
+    info: dict[str, Any] = {"type": option.type, "name": option.name}
     if option.title:
         info["title"] = option.title
     if option.description:
@@ -53,7 +53,7 @@ def server_tool_specs(agent: Agent | AgentDefinition) -> list[dict]:
 
 def agent_info(agent: Agent) -> dict:
     """An AgentInfo as `GET /meta` shows it: no secret default ever leaves as plaintext."""
-    info = {"name": agent.name}
+    info: dict[str, Any] = {"name": agent.name}
     if agent.title:
         info["title"] = agent.title
     info["version"] = agent.version

@@ -170,11 +170,12 @@ def agents_apply(entries: list[dict], *, prune: bool = False) -> dict:
     """Create or update every agent of the file (all or nothing); `prune` removes the others."""
     if not isinstance(entries, list):
         raise AgentFileError('The file must hold a list of agents (or {"agents": [...]}).')
-    names = [e.get("name") for e in entries if isinstance(e, dict)]
+    # An entry without a name is refused below, with the others' errors.
+    names = [str(e["name"]) for e in entries if isinstance(e, dict) and e.get("name") is not None]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise AgentFileError(f"Agents listed twice: {', '.join(repeated)}.")
-    report = {"created": [], "updated": [], "removed": []}
+    report: dict[str, list[str]] = {"created": [], "updated": [], "removed": []}
     for entry in entries:
         agent, created = _apply_entry(entry)
         report["created" if created else "updated"].append(agent.name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -143,7 +144,7 @@ def service_versions(database_url: str, redis_url: str) -> dict:
         versions["redis"] = redis.Redis.from_url(redis_url).info("server")["redis_version"]
     except Exception as exc:
         versions["redis"] = f"unknown ({type(exc).__name__})"
-    try:
+    with contextlib.suppress(Exception):
         versions["git_commit"] = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True,
@@ -151,8 +152,6 @@ def service_versions(database_url: str, redis_url: str) -> dict:
             timeout=5,
             cwd=RESULTS_DIR.parent.parent,
         ).stdout.strip()
-    except Exception:
-        pass
     return versions
 
 

@@ -33,7 +33,7 @@ def web() -> int:
     port = os.environ.get("PORT", "8000")
     request = urllib.request.Request(f"http://127.0.0.1:{port}/healthz", headers={"Host": allowed_host()})
     try:
-        with urllib.request.urlopen(request, timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310 (a fixed http:// URL)
             return 0 if response.status == 200 else 1
     except Exception as exc:
         print(f"web unhealthy: {exc}", file=sys.stderr)

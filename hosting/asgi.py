@@ -11,9 +11,9 @@ import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hosting.settings")
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
-from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
-from django.core.asgi import get_asgi_application  # noqa: E402
+from channels.routing import ProtocolTypeRouter
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+from django.core.asgi import get_asgi_application
 
 django_asgi = get_asgi_application()
 

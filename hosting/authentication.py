@@ -76,7 +76,8 @@ def _active_row(where: str, value) -> tuple | None:
     now = timezone.now()
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT k.id, k.tenant_id, k.last_used_at, k.expires_at, t.name, t.title, {_LIMIT_COLUMNS} "
+            # `where` is one of this module's fixed conditions; the value is a parameter.
+            f"SELECT k.id, k.tenant_id, k.last_used_at, k.expires_at, t.name, t.title, {_LIMIT_COLUMNS} "  # noqa: S608
             f"FROM {ApiToken._meta.db_table} k "
             f"JOIN {Tenant._meta.db_table} t ON t.id = k.tenant_id "
             f"WHERE {where} AND k.revoked_at IS NULL AND t.is_active "

@@ -58,6 +58,5 @@ def send_task(name: str, task_id: str, args: tuple, queue, *, app=None) -> None:
         reply_to=app.thread_oid,
         ignore_result=True,
     )
-    with app.producer_or_acquire() as producer:
-        with producer.connection._reraise_as_library_errors():
-            amqp.send_task_message(producer, name, message, queue=queue, declare=[])
+    with app.producer_or_acquire() as producer, producer.connection._reraise_as_library_errors():
+        amqp.send_task_message(producer, name, message, queue=queue, declare=[])

@@ -31,8 +31,8 @@ def _load_runtimes(**kwargs):
     for kind in RUNTIME_KINDS:
         try:
             runtime_class(kind)
-        except Exception as exc:
-            logging.getLogger(__name__).warning("runtime kind %s cannot be loaded: %s", kind, type(exc).__name__)
+        except Exception:  # the worker starts without it; its turns fail, saying so
+            logging.getLogger(__name__).warning("runtime kind %s cannot be loaded", kind, exc_info=True)
     freeze_startup_heap()
     from sessions_app import worker
 

@@ -11,7 +11,6 @@ from rest_framework import exceptions, status
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 
-from .logs import describe_failure
 from .middleware_base import HybridMiddleware
 from .service_errors import (
     BadRequest,
@@ -90,6 +89,18 @@ def _is_redis_unavailable(exc) -> bool:
     return isinstance(exc, (ConnectionError, TimeoutError, OutOfMemoryError, ReadOnlyError))
 
 
+def _view_name(context: dict) -> str:
+    return type(context.get("view")).__name__
+
+
+def _request_ids(context: dict) -> dict[str, str]:
+    """The tenant, session and turn a failed API request was about, for its log line."""
+    kwargs = context.get("kwargs") or {}
+    tenant = getattr(getattr(getattr(context.get("request"), "user", None), "tenant", None), "name", None)
+    ids = {"tenant": tenant, "session": kwargs.get("session_id"), "turn": kwargs.get("turn_id")}
+    return {key: str(value) for key, value in ids.items() if value}
+
+
 def exception_handler(exc, context):
     """DRF exception handler producing the AAP error shape."""
     headers = {}
@@ -143,20 +154,21 @@ def exception_handler(exc, context):
         return Response(error_body(str(exc.detail)), status=exc.status_code)
 
     if isinstance(exc, (db.OperationalError, db.InterfaceError)):
-        logger.error("database unavailable in %s: %s", type(context.get("view")).__name__, type(exc).__name__)
+        logger.error("database unavailable in %s", _view_name(context), exc_info=exc, extra=_request_ids(context))
         return Response(
             error_body("The database is unavailable or saturated right now; retry in a few seconds."),
             status=status.HTTP_503_SERVICE_UNAVAILABLE,
             headers={"Retry-After": "5"},
         )
     if _is_redis_unavailable(exc):
-        logger.error("redis unavailable in %s: %s", type(context.get("view")).__name__, type(exc).__name__)
+        logger.error("redis unavailable in %s", _view_name(context), exc_info=exc, extra=_request_ids(context))
         return Response(
             error_body("The event service is unavailable right now and nothing was stored; retry in a few seconds."),
             status=status.HTTP_503_SERVICE_UNAVAILABLE,
             headers={"Retry-After": "5"},
         )
-    logger.error("unhandled error in %s: %s", type(context.get("view")).__name__, describe_failure(exc))
+    # The request's boundary: the traceback (frames, no message: hosting/logs.py) and its ids.
+    logger.error("unhandled error in %s", _view_name(context), exc_info=exc, extra=_request_ids(context))
     return Response(
         error_body("The server failed to handle this request; it was logged. Try again."),
         status=status.HTTP_500_INTERNAL_SERVER_ERROR,

@@ -13,6 +13,7 @@ the full `MIDDLEWARE` (sessions, CSRF, messages).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from concurrent.futures import ThreadPoolExecutor
 
@@ -117,10 +118,8 @@ class ApiHandler(ASGIHandler):
 
         async def process_request(request, send):
             response = await self.run_get_response(request)
-            try:
+            with contextlib.suppress(asyncio.CancelledError):  # the client left while it was sent
                 await self.send_response(response, send)
-            except asyncio.CancelledError:
-                pass  # the client disconnected while the response was sent
             return response
 
         # As Django does: a disconnect while the response is made cancels the view's task.
@@ -140,10 +139,8 @@ class ApiHandler(ASGIHandler):
                     raise
             else:
                 task.cancel()
-                try:
+                with contextlib.suppress(asyncio.CancelledError):
                     await task
-                except asyncio.CancelledError:
-                    pass
         try:
             response = tasks[1].result()
         except asyncio.CancelledError:

@@ -19,6 +19,7 @@ from functools import cache
 from django.conf import settings
 
 from .middleware_base import HybridMiddleware
+from .outages import REDIS_ERRORS
 from .service_errors import TooManyRequests
 
 logger = logging.getLogger(__name__)
@@ -184,7 +185,8 @@ def turns_rate_state(tenant) -> RateState | None:
         return None
     try:
         state = windows().peek(_turns_key(tenant), TURNS_WINDOW_SECONDS)
-    except Exception:  # headers are advice: a Redis hiccup must not fail the request
+    except REDIS_ERRORS:  # headers are advice: a Redis hiccup must not fail the request
+        logger.warning("turns-per-minute window unreadable; no rate headers", exc_info=True)
         return None
     return RateState("turns", quota, TURNS_WINDOW_SECONDS, max(0, quota - state.count), state.reset)
 
@@ -196,8 +198,8 @@ def take_turn(tenant) -> None:
         return
     try:
         taken, state = windows().take(_turns_key(tenant), quota, TURNS_WINDOW_SECONDS)
-    except Exception as exc:  # Redis is briefly away: admit (running turns stay bounded in PostgreSQL)
-        logger.warning("turns-per-minute window unavailable (%s); turn admitted", type(exc).__name__)
+    except REDIS_ERRORS:  # Redis is briefly away: admit (running turns stay bounded in PostgreSQL)
+        logger.warning("turns-per-minute window unavailable; turn admitted", exc_info=True)
         return
     tenant._aap_rate_state = RateState("turns", quota, TURNS_WINDOW_SECONDS, max(0, quota - state.count), state.reset)
     if not taken:
@@ -272,8 +274,9 @@ def record_auth_failure(address: str) -> None:
         return
     try:
         state = windows().hit(f"aap:rl:authfail:{address}", AUTH_WINDOW_SECONDS)
-    except Exception:
-        return  # counting is a defence, not a dependency
+    except REDIS_ERRORS:  # counting is a defence, not a dependency
+        logger.warning("failed sign-ins could not be counted", exc_info=True)
+        return
     if state.count >= limit:
         if len(_blocked) > 10000:
             _blocked.clear()

@@ -7,7 +7,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
-TOKEN_PREFIX = "aap_"
+TOKEN_PREFIX = "aap_"  # noqa: S105 (the public prefix of every token, not a token)
 
 
 def hash_token(raw: str) -> str:

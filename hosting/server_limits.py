@@ -30,6 +30,7 @@ is dropped (it re-attaches from the last event it read; the turn goes on).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -135,10 +136,8 @@ def _flow_controlled_request(original):
         if message.get("type") == "http.response.body" and not self.finished and self.channel is not None:
             more = message.get("more_body", False)
             if more and self.producer is None:
-                try:
+                with contextlib.suppress(RuntimeError):  # the connection's previous response holds one
                     self.registerProducer(SendBuffer(), True)
-                except RuntimeError:  # the connection's previous response still holds one
-                    pass
             elif not more and isinstance(self.producer, SendBuffer):
                 self.unregisterProducer()
         return original(self, message)

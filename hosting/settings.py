@@ -203,7 +203,7 @@ else:
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
-            "NAME": VAR_DIR / "db.sqlite3",
+            "NAME": str(VAR_DIR / "db.sqlite3"),
             "OPTIONS": {
                 "transaction_mode": "IMMEDIATE",
                 "timeout": 20,
@@ -390,12 +390,13 @@ LOGGING = {
     "filters": {
         "ids": {"()": "hosting.logs.ContextFilter"},
         "routine": {"()": "hosting.logs.RoutineTaskFilter"},
+        "task_failures": {"()": "hosting.logs.TaskFailureFilter"},
     },
     "handlers": {
         "console": {
             "class": "logging.StreamHandler",
             "formatter": "plain" if LOG_FORMAT == "plain" else "json",
-            "filters": ["routine", "ids"],
+            "filters": ["routine", "task_failures", "ids"],
         },
     },
     "root": {"handlers": ["console"], "level": LOG_LEVEL},

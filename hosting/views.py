@@ -1,9 +1,13 @@
 """Operational endpoints."""
 
+import logging
+
 from django.db import connection
 from django.http import JsonResponse
 
 from . import redis_connections
+
+logger = logging.getLogger(__name__)
 
 
 def healthz(request):
@@ -13,7 +17,8 @@ def healthz(request):
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")
         checks["database"] = "ok"
-    except Exception as exc:
+    except Exception as exc:  # the probe reports any failure as unreachable
+        logger.warning("health check: the database is unreachable", exc_info=True)
         checks["database"] = f"unreachable ({type(exc).__name__})"
         failed.append("database")
     connections = redis_connections.connections()
@@ -21,7 +26,8 @@ def healthz(request):
         try:
             connections.sync.ping()
             checks["redis"] = "ok"
-        except Exception as exc:
+        except Exception as exc:  # the probe reports any failure as unreachable
+            logger.warning("health check: Redis is unreachable", exc_info=True)
             checks["redis"] = f"unreachable ({type(exc).__name__})"
             failed.append("redis")
     else:

@@ -38,6 +38,7 @@ def route_of(path: str) -> str:
     except Resolver404:
         return "-"
     except Exception:  # a malformed path is not the access log's business
+        logger.debug("no route for the access log", exc_info=True)
         return "-"
     return "/" + match.route if match.route else "-"
 

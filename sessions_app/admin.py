@@ -58,7 +58,8 @@ def conversation(session: Session) -> list[dict]:
     groups: list[dict] = []
     for message in Message.objects.filter(session=session, kind=Message.FULL).order_by("seq"):
         if not groups or groups[-1]["turn_id"] != message.turn_id:
-            groups.append({"turn_id": message.turn_id, "turn": turns.get(message.turn_id), "messages": []})
+            turn = turns.get(message.turn_id) if message.turn_id is not None else None
+            groups.append({"turn_id": message.turn_id, "turn": turn, "messages": []})
         try:
             data = json.loads(message.data)
         except ValueError:

@@ -45,8 +45,8 @@ def wake(node: str | None = None) -> None:
     queue = worker_direct(node) if node else settings.CELERY_TASK_DEFAULT_QUEUE
     try:
         broker.send_task(WAKE, uuid.uuid4().hex, (), queue)
-    except Exception as exc:
-        logger.warning("no worker could be woken now (%s): the turn waits for the next look", type(exc).__name__)
+    except Exception:  # best effort: a worker looks for turns on its own
+        logger.warning("no worker could be woken now: the turn waits for the next look", exc_info=True)
 
 
 def worker_stale_seconds() -> float:

@@ -32,7 +32,6 @@ from agents.runtimes.base import (
     ToolOutcome,
 )
 from hosting import metrics, tracing
-from hosting.logs import describe_failure
 
 from . import events
 from .protocol import MessageShaper, denial_text, fold
@@ -224,15 +223,15 @@ class _Publisher:
             except Exception as exc:
                 if failing_since is None:
                     failing_since = now
-                    logger.warning("publishing events of %s failed (%s); retrying", self.turn_id, type(exc).__name__)
+                    logger.warning("publishing events of %s failed; retrying", self.turn_id, exc_info=True)
                 bound = settings.AAP_STREAM_RETRY_SECONDS if events.unreachable(exc) else PUBLISH_RETRY_SECONDS
                 if now - failing_since >= bound:
                     logger.warning(
-                        "events %d-%d of %s were not published (%s)",
+                        "events %d-%d of %s were not published",
                         batch[0][0],
                         batch[-1][0],
                         self.turn_id,
-                        type(exc).__name__,
+                        exc_info=exc,
                     )
                     return
                 await asyncio.sleep(pause)
@@ -361,8 +360,8 @@ async def run_server_tool(binding: ServerToolBinding, call: ToolCall):
         return await host_tools.run_tool(binding.implementation, call.input, binding.settings)
     except host_tools.ToolInputError as exc:
         return f"Error: {exc}"
-    except Exception as exc:
-        logger.warning("server tool %s failed: %s", call.name, type(exc).__name__)
+    except Exception as exc:  # the tool call's boundary: the agent reads the failure
+        logger.warning("server tool %s failed", call.name, exc_info=True)
         return f"Tool {call.name} failed ({type(exc).__name__})."
 
 
@@ -383,13 +382,13 @@ async def _resolve_permissions(ctx: HostContext, plan: TurnPlan) -> None:
 async def _cancel_requested(turn_id: str) -> bool:
     try:
         return await events.backend().cancel_requested(turn_id)
-    except Exception as exc:  # Redis down: the turn runs (a cancel sent meanwhile was refused with 503)
-        logger.warning("could not check turn %s for a cancel: %s", turn_id, type(exc).__name__)
+    except Exception:  # Redis down: the turn runs (a cancel sent meanwhile was refused with 503)
+        logger.warning("could not check turn %s for a cancel", turn_id, exc_info=True)
         return False
 
 
 def _log_failure(plan: TurnPlan, exc: BaseException) -> None:
-    logger.error("turn %s (agent %s) failed: %s", plan.turn_id, plan.agent_name, describe_failure(exc))
+    logger.error("turn %s (agent %s) failed", plan.turn_id, plan.agent_name, exc_info=exc)
 
 
 async def execute(plan: TurnPlan) -> TurnOutcome:
@@ -431,8 +430,8 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
         _publishers.pop(plan.turn_id, None)
     try:
         await publisher.close()
-    except Exception as exc:
-        logger.warning("publishing the end of turn %s failed: %s", plan.turn_id, type(exc).__name__)
+    except Exception:  # the turn's boundary: its ending is stored in PostgreSQL next
+        logger.warning("publishing the end of turn %s failed", plan.turn_id, exc_info=True)
 
     if publisher.budget.exceeded and not cancelled:
         stop_reason, error = "max_tokens", ""  # even if the runtime caught TurnOutputExceeded

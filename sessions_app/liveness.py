@@ -72,7 +72,8 @@ def beat() -> None:
             continue
         try:
             text = source()
-        except Exception:
+        except Exception:  # a runtime's callback: its partial text is optional
+            logger.debug("the partial output of turn %s is unreadable", turn_id, exc_info=True)
             continue
         if text and text != _last_partial.get(turn_id):
             partials[turn_id] = text
@@ -90,8 +91,8 @@ def _beat_forever() -> None:
         time.sleep(interval())
         try:
             beat()
-        except Exception as exc:  # PostgreSQL restarting: the next round tries again
-            logger.warning("turn heartbeats could not be written: %s", type(exc).__name__)
+        except Exception:  # the thread's boundary; PostgreSQL restarting: the next round tries again
+            logger.warning("turn heartbeats could not be written", exc_info=True)
 
 
 def keep_leases() -> None:
@@ -109,8 +110,8 @@ def _keep_leases_forever() -> None:
         time.sleep(interval())
         try:
             keep_leases()
-        except Exception as exc:  # Redis restarting: the heartbeat in PostgreSQL stands alone
-            logger.warning("turn leases could not be refreshed: %s", type(exc).__name__)
+        except Exception:  # the thread's boundary; Redis restarting: the PostgreSQL heartbeat stands alone
+            logger.warning("turn leases could not be refreshed", exc_info=True)
 
 
 def tracked() -> int:

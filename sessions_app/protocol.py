@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import jsonschema
 from drf_spectacular.drainage import set_override
@@ -326,7 +327,7 @@ class ContentField(serializers.Field):
             raise serializers.ValidationError("Content must be a string for this role.")
         if not isinstance(data, list):
             self.fail("invalid")
-        errors = {}
+        errors: dict[int, Any] = {}
         for index, block in enumerate(data):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind not in self.block_types:

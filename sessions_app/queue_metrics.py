@@ -8,6 +8,7 @@ from django.db.models import Count
 from prometheus_client.core import GaugeMetricFamily
 
 from hosting.handlers import release_connections
+from hosting.outages import DB_ERRORS
 
 from .models import Turn
 
@@ -23,8 +24,8 @@ class QueueCollector:
         try:
             rows = Turn.objects.exclude(status=Turn.DONE).values("status").annotate(n=Count("id")).order_by()
             counts = {row["status"]: row["n"] for row in rows}
-        except Exception as exc:
-            logger.warning("queue depth unavailable: %s", type(exc).__name__)
+        except DB_ERRORS:
+            logger.warning("queue depth unavailable", exc_info=True)
             return
         finally:
             release_connections()  # the port server's thread holds no connection between scrapes

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Mapping
+from typing import Any
 
 from django.http import HttpResponse
 
@@ -27,7 +29,7 @@ def session_for_tenant(tenant, session_id: str) -> Session:
 
 
 def session_info(session: Session) -> dict:
-    agent = {"name": session.agent.name}
+    agent: dict[str, Any] = {"name": session.agent.name}
     if session.server_tools is not None:
         agent["tools"] = session.server_tools
     if session.options:
@@ -61,7 +63,7 @@ def sessions_page(tenant, *, after: str | None, limit: int) -> dict:
     if after:
         qs = qs.filter(pk__lt=decode_cursor(after))
     rows = list(qs[: limit + 1])
-    body = {"sessions": [session_info(s) for s in rows[:limit]]}
+    body: dict[str, Any] = {"sessions": [session_info(s) for s in rows[:limit]]}
     if len(rows) > limit:
         body["next"] = encode_cursor(rows[limit - 1].pk)
     return body
@@ -131,7 +133,7 @@ def usage_query(params) -> dict:
     return {"start": start, "end": end, "group_by": group_by}
 
 
-def _usage_numbers(row: dict) -> dict:
+def _usage_numbers(row: Mapping[str, Any]) -> dict:
     seconds = row["seconds"]
     return {
         "turns": row["turns"],

@@ -24,6 +24,7 @@ from django.http import HttpResponse
 from hosting import metrics
 from hosting.authentication import token_is_active
 from hosting.handlers import on_web_threads
+from hosting.outages import DB_ERRORS, OUTAGE_ERRORS
 
 from . import dispatch, events
 from .protocol import SSE_PING, dumps, event_data, fold, sse_frame
@@ -81,11 +82,11 @@ async def _follow(turn_id: str, after: int, token_id: int | None = None):
             return
         except StreamInterrupted:
             raise
-        except Exception as exc:  # Redis or PostgreSQL unreachable: retry, pinging meanwhile
+        except OUTAGE_ERRORS as exc:  # Redis or PostgreSQL unreachable: retry, pinging meanwhile
             now = time.monotonic()
             if failing_since is None:
                 failing_since = now
-                logger.warning("following turn %s failed (%s); retrying", turn_id, type(exc).__name__)
+                logger.warning("following turn %s failed; retrying", turn_id, exc_info=True)
             if now - failing_since > settings.AAP_STREAM_RETRY_SECONDS:
                 raise StreamInterrupted(type(exc).__name__) from None
             yield events.QUIET
@@ -95,8 +96,9 @@ async def _follow(turn_id: str, after: int, token_id: int | None = None):
 async def _still_queued(turn_id: str) -> dict | None:
     try:
         return await _queued_place(turn_id)
-    except Exception:
-        return None  # the liveness check reports what is wrong; this stream just pings
+    except OUTAGE_ERRORS:  # the liveness check reports what is wrong; this stream just pings
+        logger.debug("the place of queued turn %s is unreadable", turn_id, exc_info=True)
+        return None
 
 
 def queued_comment(place: dict) -> bytes:
@@ -166,8 +168,8 @@ async def sse_stream(turn_id: str, after: int = 0, token_id: int | None = None, 
 async def _stored_result_or_none(turn_id: str) -> dict | None:
     try:
         return await _stored_result(turn_id)
-    except Exception as exc:  # PostgreSQL unreachable
-        logger.warning("the stored result of turn %s is unreadable: %s", turn_id, type(exc).__name__)
+    except DB_ERRORS:  # PostgreSQL unreachable
+        logger.warning("the stored result of turn %s is unreadable", turn_id, exc_info=True)
         return None
 
 
@@ -278,8 +280,8 @@ class TurnStreamHandoff:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except StreamInterrupted as exc:
                 logger.warning("closing the stream of turn %s: %s", turn_id, exc)
-            except Exception as exc:  # never leave a response open with nothing being sent
-                logger.error("the stream of turn %s failed: %s", turn_id, type(exc).__name__)
+            except Exception:  # the response's boundary: never leave it open with nothing being sent
+                logger.error("the stream of turn %s failed", turn_id, exc_info=True)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def disconnected():

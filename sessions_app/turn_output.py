@@ -118,6 +118,6 @@ class DeltaRuns:
 
 
 def _joined(event: dict, parts: list[str] | None) -> dict:
-    if parts is None or len(parts) == 1 and parts[0] is event["delta"]:
+    if parts is None or (len(parts) == 1 and parts[0] is event["delta"]):
         return event
     return {"event": event["event"], "delta": "".join(parts)}

@@ -28,7 +28,7 @@ from django.db import close_old_connections, connection
 from django.utils import timezone
 
 from hosting import tracing
-from hosting.logs import describe_failure, log_context
+from hosting.logs import log_context
 
 from . import schedule_store, turn_store
 from .services import execution, recovery
@@ -66,8 +66,8 @@ class Worker:
         if self.beats:
             try:
                 self.round()
-            except Exception as exc:
-                logger.warning("the worker's heartbeat could not be written: %s", describe_failure(exc))
+            except Exception:  # the thread's boundary: the next round tries again
+                logger.warning("the worker's heartbeat could not be written", exc_info=True)
             finally:
                 connection.close()
             for name, target in (("aap-worker-beat", self._beat_forever), ("aap-sweep", self._sweep_forever)):
@@ -95,8 +95,8 @@ class Worker:
             return
         try:
             schedule_store.worker_gone(self.node)
-        except Exception:
-            pass  # its heartbeat goes stale instead
+        except Exception:  # its heartbeat goes stale instead
+            logger.warning("the worker's departure could not be recorded", exc_info=True)
         finally:
             connection.close()
 
@@ -117,8 +117,8 @@ class Worker:
         pinned_before = timezone.now() - timedelta(seconds=settings.AAP_TURN_PIN_SECONDS)
         try:
             return schedule_store.claim_next(self.node, settings.AAP_TENANT_MAX_RUNNING_TURNS, pinned_before)
-        except Exception as exc:
-            logger.warning("waiting turns could not be claimed now: %s", describe_failure(exc))
+        except Exception:  # the slot's boundary: it claims again on its next look
+            logger.warning("waiting turns could not be claimed now", exc_info=True)
             connection.close()  # a broken connection goes back to the pool, which discards it
             return None
 
@@ -158,10 +158,10 @@ class Worker:
         with log_context(turn=turn_id), tracing.continued(claimed.trace_parent):
             try:
                 return execution.turn_execute(turn_id, claimed)
-            except Exception as exc:
+            except Exception:
                 # Never raised further: the thread serves on, and the turn, still `running`
                 # with no heartbeat, ends as lost.
-                logger.error("turn %s failed on its worker thread: %s", turn_id, describe_failure(exc))
+                logger.error("turn %s failed on its worker thread", turn_id, exc_info=True)
                 return True
             finally:
                 close_old_connections()
@@ -172,8 +172,8 @@ class Worker:
         while not self._stopped.wait(liveness.interval()):
             try:
                 self.round()
-            except Exception as exc:
-                logger.warning("the worker's heartbeat could not be written: %s", describe_failure(exc))
+            except Exception:  # the thread's boundary: the next round tries again
+                logger.warning("the worker's heartbeat could not be written", exc_info=True)
             finally:
                 connection.close()
 
@@ -183,8 +183,8 @@ class Worker:
         while not self._stopped.wait(SWEEP_SECONDS):
             try:
                 recovery.sweep_unless_running()
-            except Exception as exc:  # PostgreSQL restarting: the next round tries again
-                logger.warning("the sweep for lost turns failed: %s", describe_failure(exc))
+            except Exception:  # the thread's boundary; PostgreSQL restarting: the next round tries again
+                logger.warning("the sweep for lost turns failed", exc_info=True)
             finally:
                 connection.close()
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -39,7 +39,7 @@ def serve_pages(
     Content-Length is added."""
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             found = pages.get(self.path, default)
             body, headers = found or (b"not found", {"Content-Type": "text/plain"})
             self.send_response(200 if found else 404)
@@ -405,10 +405,8 @@ class Stack:
                     os.killpg(proc.pid, signal.SIGTERM)
                     proc.wait(10)
                 except (ProcessLookupError, subprocess.TimeoutExpired):
-                    try:
+                    with suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
 
     def client(self, tenant: str = "demo", **kw) -> AAP:
         return AAP(self.base_url, self.tokens[tenant], **kw)

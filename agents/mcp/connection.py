@@ -225,14 +225,14 @@ class Connection:
                 transport = _stdio(self.process, self._closed)
             else:
                 transport = _http(self.server, self.headers)
-            async with transport as (read, write):
-                async with ClientSession(
-                    read, write, client_info=CLIENT_INFO, message_handler=self._on_message
-                ) as session:
-                    await session.initialize()
-                    self.session = session
-                    self._ready.set()
-                    await self._stop.wait()
+            async with (
+                transport as (read, write),
+                ClientSession(read, write, client_info=CLIENT_INFO, message_handler=self._on_message) as session,
+            ):
+                await session.initialize()
+                self.session = session
+                self._ready.set()
+                await self._stop.wait()
         except asyncio.CancelledError:
             raise
         except AddressRefused as exc:
@@ -240,9 +240,8 @@ class Connection:
             logger.error("MCP server %s: %s", self.label, self.failure)
         except BaseException as exc:  # the SDK raises exception groups from its task groups
             crashed = exc
-            # The frames, not the message (logs.describe_failure): a transport's message may
-            # carry what it sent.
-            logger.error("MCP server %s failed: %s", self.label, self.redact(logs.describe_failure(exc)))
+            # The log renders frames, not the message: a transport's message may carry what it sent.
+            logger.error("MCP server %s failed", self.label, exc_info=exc)
         finally:
             self.session = None
             exited = False
@@ -326,12 +325,7 @@ class Connection:
             if call in done and not closed:
                 failure = call.exception()
                 if failure is not None and not isinstance(failure, MCPError):
-                    logger.error(
-                        "MCP server %s failed tools/call %s: %s",
-                        self.label,
-                        name,
-                        self.redact(logs.describe_failure(failure)),
-                    )
+                    logger.error("MCP server %s failed tools/call %s", self.label, name, exc_info=failure)
                     raise McpFailure(f"The MCP server '{self.server.name}' failed ({type(failure).__name__}).")
                 return call.result()
             if not done:

@@ -87,8 +87,8 @@ class Pool:
                 for process in watched:
                     with logs.log_context(**process.log_ids()):
                         await process.check_limits(snap)
-            except Exception as exc:
-                logger.warning("checking MCP servers against their limits failed: %s", type(exc).__name__)
+            except Exception:  # the monitor task's boundary: the next round tries again
+                logger.warning("checking MCP servers against their limits failed", exc_info=True)
 
     async def _reap_forever(self) -> None:
         while True:
@@ -104,8 +104,8 @@ class Pool:
                         logger.info("stopping MCP server %s: idle for %gs", connection.label, connection.server.idle)
                     try:
                         await connection.close()
-                    except Exception as exc:
-                        logger.warning("stopping MCP server %s failed: %s", connection.label, type(exc).__name__)
+                    except Exception:  # the reaper task's boundary: the other servers still stop
+                        logger.warning("stopping MCP server %s failed", connection.label, exc_info=True)
 
     def kill_all(self) -> None:
         """The process exits: kill every server process still running (bounded, synchronous)."""

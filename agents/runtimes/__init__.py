@@ -2,6 +2,7 @@
 
 import logging
 from functools import cache
+from typing import TYPE_CHECKING
 
 from django.utils.module_loading import import_string
 
@@ -24,7 +25,10 @@ def runtime_class(kind: str):
         raise ValueError(f"Unknown runtime kind {kind!r}; choose one of {', '.join(RUNTIME_KINDS)}.") from None
 
 
-_instances: dict[str, object] = {}
+if TYPE_CHECKING:
+    from .base import Runtime
+
+_instances: dict[str, "Runtime"] = {}
 
 
 def runtime_for(kind: str):
@@ -39,5 +43,5 @@ def shutdown_all() -> None:
     for runtime in list(_instances.values()):
         try:
             runtime.shutdown()
-        except Exception as exc:
-            logging.getLogger(__name__).warning("stopping runtime %s failed: %s", runtime.kind, type(exc).__name__)
+        except Exception:  # the exit's boundary: every other runtime still stops
+            logging.getLogger(__name__).warning("stopping runtime %s failed", runtime.kind, exc_info=True)

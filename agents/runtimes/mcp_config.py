@@ -122,7 +122,7 @@ def options_named(servers: list) -> set[str]:
     }
 
 
-def resolve(entries: list, options: dict[str, str]) -> dict[str, str]:
+def resolve(entries: list | None, options: dict[str, str]) -> dict[str, str]:
     """name -> value of env or headers, options filled in (an empty option leaves it out)."""
     values = {}
     for entry in entries or []:

@@ -64,8 +64,8 @@ def sweep(pool) -> None:
     releases the sweep lock taken by `check`."""
     try:
         pool.check()
-    except Exception as exc:
-        logger.warning("the pool's idle connections could not be checked: %s", type(exc).__name__)
+    except Exception:  # the sweep thread's boundary
+        logger.warning("the pool's idle connections could not be checked", exc_info=True)
     finally:
         _sweeping.release()
 

@@ -9,16 +9,16 @@ from .sse import SSEParser
 from .types import EVENT_NAMES, HISTORY_TYPES, PROTOCOL_VERSION, STOP_REASONS, STREAM_MODES, Event
 
 __all__ = [
+    "EVENT_NAMES",
+    "HISTORY_TYPES",
+    "PROTOCOL_VERSION",
+    "STOP_REASONS",
+    "STREAM_MODES",
     "AAPError",
     "AsyncClient",
     "Client",
     "Event",
-    "EVENT_NAMES",
-    "HISTORY_TYPES",
-    "PROTOCOL_VERSION",
     "SSEParser",
-    "STOP_REASONS",
-    "STREAM_MODES",
     "ToolRegistry",
     "TurnResult",
     "TurnStream",

@@ -80,7 +80,7 @@ def result_events(result: TurnResult) -> list[Event]:
                 events.append(Event(block["type"], {block["type"]: block[block["type"]]}))
             elif block["type"] == "tool_use":
                 events.append(Event("tool_call", {k: block[k] for k in ("toolCallId", "name", "input")}))
-    return events + [Event("turn_stop", {"stopReason": result.stop_reason, "_meta": result.meta})]
+    return [*events, Event("turn_stop", {"stopReason": result.stop_reason, "_meta": result.meta})]
 
 
 def _short(content: Any) -> str:

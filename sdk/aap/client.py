@@ -495,7 +495,7 @@ class Client:
     def delete_session(self, session_id: str) -> None:
         self._request("DELETE", f"/sessions/{session_id}")
 
-    def history(self, session_id: str, type: str = "full") -> list[dict[str, Any]]:  # noqa: A002 - the protocol's name
+    def history(self, session_id: str, type: str = "full") -> list[dict[str, Any]]:
         return cast(
             "list[dict[str, Any]]",
             self._request("GET", f"/sessions/{session_id}/history", params={"type": type})["history"][type],
@@ -653,7 +653,7 @@ class AsyncClient:
     async def delete_session(self, session_id: str) -> None:
         await self._request("DELETE", f"/sessions/{session_id}")
 
-    async def history(self, session_id: str, type: str = "full") -> list[dict[str, Any]]:  # noqa: A002
+    async def history(self, session_id: str, type: str = "full") -> list[dict[str, Any]]:
         answer = await self._request("GET", f"/sessions/{session_id}/history", params={"type": type})
         return cast("list[dict[str, Any]]", answer["history"][type])
 

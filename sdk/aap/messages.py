@@ -117,7 +117,7 @@ class MessageShaper:
             self._kind = kind
             self._parts.append(event["delta"])
             return out
-        return self.flush() + [event]
+        return [*self.flush(), event]
 
     def flush(self) -> list[dict[str, Any]]:
         if self._kind is None:

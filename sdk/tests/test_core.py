@@ -3,6 +3,7 @@ it pulls in no web framework. No network, no subprocess beyond the import check.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -96,7 +97,7 @@ def test_message_mode_emits_one_event_per_part(events):
     out = shaped(events, "message")
     names = [e["event"] for e in out]
     assert not any(name.endswith("_delta") for name in names)
-    for first, second in zip(out, out[1:]):
+    for first, second in itertools.pairwise(out):
         assert not (first["event"] == second["event"] and first["event"] in ("text", "thinking"))
 
 

@@ -16,7 +16,7 @@ from .watcher import Watcher
 
 
 class _MemoryLog:
-    __slots__ = ("events", "waiters", "expires_at")
+    __slots__ = ("events", "expires_at", "waiters")
 
     def __init__(self):
         self.events: list[tuple[int, dict]] = []

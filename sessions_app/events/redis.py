@@ -128,8 +128,8 @@ class _NotifyHub:
                 message = await self.pubsub.get_message(timeout=30.0)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # redis-py reconnects and resubscribes on the next call
-                logger.warning("event notifications lost Redis (%s); reconnecting", type(exc).__name__)
+            except Exception:  # the listener's boundary: redis-py reconnects and resubscribes on the next call
+                logger.warning("event notifications lost Redis; reconnecting", exc_info=True)
                 for waiters in self.wakers.values():
                     for wake in waiters:
                         wake.wake.set()  # followers re-read the stream: nothing is lost meanwhile
@@ -283,6 +283,6 @@ class RedisEvents:
                         on_cancel(message["data"])
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # Redis restarts must not kill the listener
-                logger.warning("cancel listener lost Redis (%s); reconnecting", type(exc).__name__)
+            except Exception:  # the listener's boundary: Redis restarts must not kill it
+                logger.warning("cancel listener lost Redis; reconnecting", exc_info=True)
                 await asyncio.sleep(1)

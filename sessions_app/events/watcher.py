@@ -8,7 +8,7 @@ import asyncio
 class Watcher:
     """A follower's inbox: events pushed as they are published, and a wake-up signal."""
 
-    __slots__ = ("wake", "pushed")
+    __slots__ = ("pushed", "wake")
 
     def __init__(self):
         self.wake = asyncio.Event()

@@ -5,6 +5,9 @@ and the `none`-mode body."""
 from __future__ import annotations
 
 import logging
+from typing import Any
+
+from hosting.outages import OUTAGE_ERRORS
 
 from .. import events, turn_store
 from ..models import Turn
@@ -43,7 +46,8 @@ def publish_stop_if_missing(turn_id: str) -> None:
         if last is None or last[1].get("event") == "turn_stop":
             return
         streamed = events.backend().read_all_sync(turn_id)
-    except Exception:
+    except OUTAGE_ERRORS:
+        logger.warning("turn %s: its live events are unreadable; no turn_stop is rebuilt", turn_id, exc_info=True)
         return
     if not _tells_what_history_keeps(turn, streamed):
         logger.warning("turn %s: its live events miss part of its output; no turn_stop is rebuilt", turn_id)
@@ -92,7 +96,7 @@ class FoldCursor:
     the one still open. A follower keeps one (not the events) to rebuild the rest of a turn
     whose live events were lost (`rebuilt_ending`)."""
 
-    __slots__ = ("closed", "blocks", "last_delta")
+    __slots__ = ("blocks", "closed", "last_delta")
 
     def __init__(self):
         self.closed = 0  # messages complete (an assistant message closed by a tool result, tool messages)
@@ -165,7 +169,7 @@ def rebuilt_ending(turn_id: str, cursor: FoldCursor, mode: str) -> list[dict] | 
         logger.warning("turn %s: what its follower was sent is not the start of its history", turn_id)
         return None
     stop_reason, meta = _stored_stop(turn)
-    stop = {"event": "turn_stop", "stopReason": stop_reason}
+    stop: dict[str, Any] = {"event": "turn_stop", "stopReason": stop_reason}
     if meta:
         stop["_meta"] = meta
     return [*tail, stop]
@@ -173,18 +177,18 @@ def rebuilt_ending(turn_id: str, cursor: FoldCursor, mode: str) -> list[dict] | 
 
 def publish_stop(turn_id: str, stop_reason: str, meta: dict, *, seq: int | None = None) -> None:
     backend = events.backend()
-    event = {"event": "turn_stop", "stopReason": stop_reason}
+    event: dict[str, Any] = {"event": "turn_stop", "stopReason": stop_reason}
     if meta:
         event["_meta"] = meta
     try:
         # The last event: its publish also clears the turn's lease.
         backend.publish_sync(turn_id, seq or events.last_seq_sync(turn_id) + 1, event, final=True)
-    except Exception as exc:
-        logger.warning("could not publish turn_stop of %s: %s", turn_id, type(exc).__name__)
+    except Exception:  # the turn's ending stands in PostgreSQL whatever its live event does
+        logger.warning("could not publish turn_stop of %s", turn_id, exc_info=True)
         try:
             backend.clear_lease_sync(turn_id)
-        except Exception:
-            pass
+        except Exception:  # the lease expires by itself
+            logger.warning("could not clear the lease of %s", turn_id, exc_info=True)
 
 
 def turn_result(turn_id: str) -> dict | None:

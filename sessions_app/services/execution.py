@@ -13,7 +13,7 @@ from django.db import InterfaceError, OperationalError, connection, transaction
 from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
 from agents.selectors import AgentDefinition, agent_definition, server_tool_specs
 from hosting import metrics
-from hosting.logs import bind_log_context, describe_failure
+from hosting.logs import bind_log_context
 
 from .. import events, host, liveness, turn_store
 from ..models import Turn
@@ -119,8 +119,8 @@ def turn_execute(turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
     backend = events.backend()
     try:
         backend.set_lease_sync(turn_id)  # the Redis lease backs up the PostgreSQL heartbeat
-    except Exception as exc:
-        logger.warning("no Redis lease for turn %s (%s); its heartbeat stands alone", turn_id, type(exc).__name__)
+    except Exception:  # the Redis lease is a backup: the turn runs without it
+        logger.warning("no Redis lease for turn %s; its heartbeat stands alone", turn_id, exc_info=True)
     metrics.turn_claimed(claimed.waited)
     liveness.track(turn_id, None if claimed.stream == "delta" else lambda: _output_json(turn_id))
     try:
@@ -136,11 +136,12 @@ def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
     bind_log_context(tenant=session.tenant_name, session=session.public_id)
     try:
         plan, compacted = _with_db_retry(_plan, turn_id, claimed, session)
-    except Exception as exc:
-        logger.error("turn %s could not be prepared: %s", turn_id, type(exc).__name__)
+    except Exception:  # the turn's boundary: it ends with an error
+        logger.error("turn %s could not be prepared", turn_id, exc_info=True)
         try:
             last = events.last_seq_sync(turn_id)
-        except Exception:
+        except Exception:  # its ending is numbered from the start then
+            logger.warning("the last event of turn %s is unreadable", turn_id, exc_info=True)
             last = 1
         outcome = host.TurnOutcome(
             "error",
@@ -157,13 +158,13 @@ def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
         outcome = host.execute_sync(plan)
     try:
         return _with_db_retry(_finish, turn_id, claimed.session_pk, outcome, compacted)
-    except Exception as exc:
+    except Exception:
         # Never re-raised to Celery, which would log the database's text (it quotes the values).
-        logger.error("turn %s could not be stored: %s", turn_id, describe_failure(exc))
+        logger.error("turn %s could not be stored", turn_id, exc_info=True)
         try:
             events.backend().clear_lease_sync(turn_id)  # with its heartbeat stopped, it ends as lost
-        except Exception:
-            pass
+        except Exception:  # the lease expires by itself
+            logger.warning("could not clear the lease of %s", turn_id, exc_info=True)
         return True
 
 

@@ -26,7 +26,7 @@ def append_messages(
 def apply_compaction(session_pk: int, message_seq: int, compacted: list[tuple[int, dict]], compaction) -> None:
     """Keep the last `keep_last` compacted messages (never opening on an orphaned tool
     result) behind an optional summary; `full` history is never touched."""
-    if compaction is None or compaction.keep_last >= len(compacted) and not compaction.summary:
+    if compaction is None or (compaction.keep_last >= len(compacted) and not compaction.summary):
         return
     kept = compacted[-compaction.keep_last :] if compaction.keep_last > 0 else []
     while kept and kept[0][1].get("role") == "tool":

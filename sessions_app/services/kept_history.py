@@ -80,10 +80,10 @@ class KeptHistories:
                     self._kept.popitem(last=False)
         # A turn's messages are the history's last rows as it is planned: only the running turn
         # writes to its session. (A retried plan of the same turn finds them in the kept copy.)
-        first = len(turns)
-        while first and turns[first - 1] == turn_id:
-            first -= 1
-        return seqs, messages, messages[first:]
+        own = len(turns)
+        while own and turns[own - 1] == turn_id:
+            own -= 1
+        return seqs, messages, messages[own:]
 
     def clear(self) -> None:
         with self._lock:

@@ -10,6 +10,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from hosting import metrics
+from hosting.outages import OUTAGE_ERRORS
 
 from .. import dispatch, events, idempotency_keys
 from ..models import Session, Turn
@@ -31,8 +32,8 @@ def _is_lost(turn: Turn) -> bool:
     try:
         if events.backend().lease_alive_sync(turn.id):
             return False  # e.g. PostgreSQL was down longer than the lease: the worker lives
-    except Exception:
-        pass  # Redis down: the heartbeat alone decides
+    except OUTAGE_ERRORS:  # Redis down: the heartbeat alone decides
+        logger.warning("the lease of turn %s is unreadable; its heartbeat decides", turn.id, exc_info=True)
     return True
 
 
@@ -86,8 +87,8 @@ def finalize_if_lost(turn: Turn, session: Session) -> bool:
         try:
             for offset, event in enumerate(unsent, start=1):
                 events.backend().publish_sync(turn_id, last + offset, event)
-        except Exception as exc:
-            logger.warning("could not publish the recovered output of %s: %s", turn_id, type(exc).__name__)
+        except Exception:  # history holds the output; listeners get the ending regardless
+            logger.warning("could not publish the recovered output of %s", turn_id, exc_info=True)
         publish_stop(turn_id, "error", {"error": message}, seq=last + len(unsent) + 1)
 
     transaction.on_commit(publish_end)
@@ -135,8 +136,8 @@ def sweep_stale_turns() -> int:
             continue
         try:
             ended += bool(turn_recover_if_lost(turn_id))
-        except Exception as exc:  # e.g. its events unreadable now: the next sweep tries again
-            logger.warning("the sweep could not end lost turn %s (%s)", turn_id, type(exc).__name__)
+        except Exception:  # e.g. its events unreadable now: the next sweep tries again
+            logger.warning("the sweep could not end lost turn %s", turn_id, exc_info=True)
     return ended
 
 

@@ -3,6 +3,8 @@ incoming messages and `turn_start` published in one transaction, then a worker i
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import transaction
 
 from agents.runtimes import runtime_for
@@ -131,7 +133,7 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         idempotency_keys.remember(tenant, idempotency, session.public_id, turn.id)
         # `turn_start` (event 1) before the commit: a client sees its turn begin at once, and
         # with Redis unreachable this raises, the transaction rolls back and nothing is stored.
-        start_meta = {"turnId": turn.id}
+        start_meta: dict[str, Any] = {"turnId": turn.id}
         # Every worker slot is taken, or others wait: where the turn stands among them (for
         # a stream; `stream: "none"` answers once the turn is over, and shows no turn_start).
         queued = dispatch.queued_place(turn.id, room) if room is not None and not room.takes_slot else None

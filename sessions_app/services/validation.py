@@ -248,7 +248,7 @@ def answers_for_pending(pending: list[dict], messages: list[dict]) -> tuple[list
         )
     if not pending:
         if roles != ["user"]:
-            ids = [m.get("toolCallId") for m in messages if m["role"] != "user"]
+            ids = [str(m.get("toolCallId")) for m in messages if m["role"] != "user"]
             if ids:
                 raise BadRequest(
                     f"No tool calls are pending, so these answers match nothing: {', '.join(ids)}; "

@@ -11,6 +11,7 @@ Everything else (roles, blocks, options, events) is v3's, validated by v3's seri
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from rest_framework import serializers
@@ -92,7 +93,7 @@ def agent_info_to_v2(info: dict) -> dict:
     return info
 
 
-def session_to_v2(info: dict, history: dict[str, list[dict]]) -> dict:
+def session_to_v2(info: dict, history: Mapping[str, list[dict]]) -> dict:
     """A v3 SessionInfo and the history types the agent keeps, as a v2 SessionResponse."""
     body = dict(info)
     if "tools" in body:
@@ -110,7 +111,7 @@ class V2ImageBlockSerializer(StrictSerializer):
     mimeType = StrictCharField(max_length=255)
     data = StrictCharField()
 
-    def validate_mimeType(self, value):  # noqa: N802 (the wire name)
+    def validate_mimeType(self, value):
         if not MIME_RE.match(value):
             raise serializers.ValidationError("A mimeType is type/subtype, e.g. image/png.")
         return value
@@ -146,7 +147,7 @@ class V2ToolSpecSerializer(v3.ToolSpecSerializer):
     parameters = None  # v2 names it inputSchema
     inputSchema = v3.JSONObjectField()
 
-    def validate_inputSchema(self, value):  # noqa: N802 (the wire name)
+    def validate_inputSchema(self, value):
         return self.validate_parameters(value)
 
 

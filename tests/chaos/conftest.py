@@ -8,6 +8,7 @@ previous test left down).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -151,10 +152,8 @@ class Postgres:
     @staticmethod
     def thaw(pids: list[int]) -> None:
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
 
     def running(self) -> bool:
         result = subprocess.run(

@@ -84,7 +84,7 @@ def test_reattach_from_last_event_id_and_cancel(sdk):
     assert sdk.cancel(session, stream.turn_id)["cancelling"] is True
     result = again.result()
     assert result.cancelled and result.stop_reason == "end_turn"
-    assert [e.id for e in again.events][0] == int(last_seen) + 1
+    assert next(e.id for e in again.events) == int(last_seen) + 1
     assert first[0].event == "turn_start"
     assert sdk.reattach(session, stream.turn_id, last_event_id=again.last_event_id) is None  # 204: all read
 
@@ -93,9 +93,8 @@ def test_errors_carry_status_and_sentence(stack, sdk):
     with pytest.raises(AAPError) as bad:
         sdk.create_session("no-such-agent")
     assert bad.value.status == 400 and "no-such-agent" in bad.value.message
-    with Client(stack.base_url + "/v1", "not-a-token") as stranger:
-        with pytest.raises(AAPError) as refused:
-            stranger.create_session("echo")
+    with Client(stack.base_url + "/v1", "not-a-token") as stranger, pytest.raises(AAPError) as refused:
+        stranger.create_session("echo")
     assert refused.value.status == 401
 
 

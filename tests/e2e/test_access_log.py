@@ -36,8 +36,16 @@ def web(django_db_setup, django_db_blocker, tmp_path):
     log = tmp_path / "web.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [str(BIN / "python"), "-m", "hosting.webserver", "-b", "127.0.0.1", "-p", str(port)]
-            + ["hosting.asgi:application"],
+            [
+                str(BIN / "python"),
+                "-m",
+                "hosting.webserver",
+                "-b",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "hosting.asgi:application",
+            ],
             env=env,
             cwd=ROOT,
             stdout=out,

@@ -305,7 +305,7 @@ def test_http_fetch_is_refused_loopback_through_the_shared_guard(encoded_server)
 
     from agents.tools import http_fetch
 
-    with pytest.raises(http_fetch.ToolInputError, match="Refusing to fetch 127.0.0.1: it resolves to a loopback"):
+    with pytest.raises(http_fetch.ToolInputError, match=r"Refusing to fetch 127\.0\.0\.1: it resolves to a loopback"):
         asyncio.run(http_fetch._http_fetch({"url": encoded_server + "/page"}, {}))
 
 

@@ -5,6 +5,7 @@ neither holds the worker's shared loop nor fills Redis."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -153,7 +154,7 @@ def test_a_one_mib_turn_of_words_neither_stalls_another_tenants_turn_nor_fills_r
     assert small.stop_reason == "end_turn"
     assert small.messages == text_reply("".join(f"tick {i} " for i in range(1, 21)))
     emitted = [e.data["_meta"]["emittedAt"] for e in small.events if e.event == "text_delta"]
-    gaps = [b - a for a, b in zip(emitted, emitted[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(emitted)]
     assert max(gaps) < 1.0, gaps  # 50 ms apart; the shared loop was never held for long
     assert emitted[0] < big.finished_at, "the other turn must have run while the big one was still streaming"
 

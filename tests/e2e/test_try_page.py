@@ -114,7 +114,7 @@ def test_a_streamed_turn_with_options_keeps_the_token_out_of_urls(chromium, try_
     # The token stays in this tab's session storage; no URL ever carries it or the secret.
     assert json.loads(stored["token"]) == token
     assert "sk-typed-in-the-browser" not in (stored["session"] or "") and stored["turn"] is None
-    assert not [u for u in requests + [url] if token in u or "sk-typed" in u]
+    assert not [u for u in [*requests, url] if token in u or "sk-typed" in u]
     with api(try_stack, token) as client:
         info = client.get(f"/v1/sessions/{session}").json()
         assert info["agent"]["options"] == {"style": "upper", "signature": "from-the-page", "apiKey": "***"}

@@ -44,6 +44,7 @@ FAKE_ACP_LOAD_SESSION=1 makes it declare `loadSession`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -357,10 +358,8 @@ class FakeAgent:
         count, _, pause = rest.partition(" ")
         for i in range(1, int(count) + 1):
             if i > 1:
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(session.cancelled.wait(), int(pause or 0) / 1000)
-                except TimeoutError:
-                    pass
             if session.cancelled.is_set():
                 return "cancelled"
             await self.conn.session_update(session.id, acp.update_agent_message_text(f"tick {i} "))
@@ -434,9 +433,12 @@ class FakeAgent:
         text = " ".join(w for w in words if w not in ("--stream", "--key"))
         body = {"model": session.model, "messages": [{"role": "user", "content": text}], "stream": stream}
         url = os.environ.get("FAKE_MODEL_URL", "").rstrip("/") + "/chat/completions"
-        async with httpx.AsyncClient(timeout=60) as client:
-            async with client.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}) as response:
-                raw = await response.aread()
+        headers = {"Authorization": f"Bearer {key}"}
+        async with (
+            httpx.AsyncClient(timeout=60) as client,
+            client.stream("POST", url, json=body, headers=headers) as response,
+        ):
+            raw = await response.aread()
         if response.status_code != 200:
             await self._say(session, f"status={response.status_code} error={raw.decode(errors='replace')}")
             return

@@ -324,7 +324,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "FakeOpenAI/1"
     server: _Server
 
-    def log_message(self, format, *args):  # noqa: A002 - quiet: tests read their own records
+    def log_message(self, format, *args):
         pass
 
     # --- plumbing ------------------------------------------------------------------------------
@@ -371,7 +371,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     # --- routes ----------------------------------------------------------------------------------
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         path = urlsplit(self.path).path
         self.fake._record(path, self.headers, None)
         if path.rstrip("/").endswith("/models"):
@@ -382,7 +382,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._json(404, {"error": {"message": f"No route {path}.", "type": "invalid_request_error"}})
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         path = urlsplit(self.path).path
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
@@ -563,9 +563,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._sse(chunk(piece))
         if reply.finish and reply.kind != "empty":
             self._sse(chunk({}, reply.finish))
-        if (body.get("stream_options") or {}).get("include_usage") and self.fake.report_usage and reply.done:
-            if reply.kind != "empty":
-                self._sse({**base, "choices": [], "usage": self._usage(reply, body, output)})
+        wants_usage = (body.get("stream_options") or {}).get("include_usage") and self.fake.report_usage
+        if wants_usage and reply.done and reply.kind != "empty":
+            self._sse({**base, "choices": [], "usage": self._usage(reply, body, output)})
         if reply.done:
             self._sse(b"[DONE]")
         self._write_chunk(b"")

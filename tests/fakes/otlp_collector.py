@@ -37,7 +37,7 @@ class OtlpCollector:
         collector = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
@@ -55,7 +55,7 @@ class OtlpCollector:
                 self.end_headers()
                 self.wfile.write(reply)
 
-            def log_message(self, format, *args):  # noqa: A002 - quiet
+            def log_message(self, format, *args):
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -211,7 +211,7 @@ def test_apply_agents_from_yaml_and_json_is_idempotent(client, engine, db_access
         "capabilities": {"history": {"compacted": {}, "full": {}}, "stream": {"delta": {}, "message": {}, "none": {}}},
     }
     rows = lambda: (
-        Agent.objects.filter(name__startswith="t2-").count(),  # noqa: E731
+        Agent.objects.filter(name__startswith="t2-").count(),
         AgentOption.objects.filter(agent__name__startswith="t2-").count(),
         ServerTool.objects.filter(agent__name__startswith="t2-").count(),
     )

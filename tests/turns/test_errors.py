@@ -300,7 +300,7 @@ def test_the_session_is_intact_after_refused_turns(demo, session):
     assert demo.get(f"/v1/sessions/{session}").json() == {"sessionId": session, "agent": {"name": "echo"}}
     result = demo.turn(session, text="still works")
     assert result.status == 200 and result.stop_reason == "end_turn"
-    assert demo.history(session) == [{"role": "user", "content": "still works"}] + result.messages
+    assert demo.history(session) == [{"role": "user", "content": "still works"}, *result.messages]
 
 
 # A value of every JSON type (and a NUL string, and an integer no machine type holds) put in
@@ -338,10 +338,10 @@ def value_paths(value, prefix=()):
     yield prefix
     if isinstance(value, dict):
         for key, item in value.items():
-            yield from value_paths(item, prefix + (key,))
+            yield from value_paths(item, (*prefix, key))
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            yield from value_paths(item, prefix + (index,))
+            yield from value_paths(item, (*prefix, index))
 
 
 def replaced(body, path, value):

@@ -3,6 +3,7 @@ and the routine sweep kept out of INFO."""
 
 from __future__ import annotations
 
+import json
 import logging
 import logging.config
 import time
@@ -62,3 +63,57 @@ def test_a_failing_turn_is_logged_by_the_worker_with_its_ids(demo, captured):
     for line in mine:
         assert line["session"] == session_id and line["tenant"] == "demo", line
     assert any(line["level"] == "ERROR" and result.turn_id in line["message"] for line in mine)
+
+
+def test_a_code_bug_in_a_service_is_logged_with_its_frames_and_no_secret(demo, captured, monkeypatch):
+    """A TypeError inside a service (a code bug, not an outage): the request's boundary logs
+    it with the request's ids and a traceback down to the failing frame, without the
+    exception's message, which here quotes a secret; the client gets a JSON 500."""
+    from sessions_app.services import sessions
+
+    secret = "sk-live-" + "5e" * 16
+
+    def _session_create(**kwargs):
+        raise TypeError(f"can only concatenate str (not 'NoneType') to str: {secret}")
+
+    monkeypatch.setattr(sessions, "_session_create", _session_create)
+    response = demo.post("/v1/sessions", {"agent": {"name": "echo", "options": {"apiKey": secret}}})
+    assert response.status_code == 500 and secret not in response.text
+    assert "it was logged" in response.json()["error"]
+    lines = [line for line in captured() if line["level"] == "ERROR" and "exc_info" in line]
+    assert lines, "the failure was logged with its traceback"
+    line = lines[-1]
+    assert line["message"] == "unhandled error in SessionsView" and line["tenant"] == "demo"
+    trace = line["exc_info"]
+    assert trace.startswith("Traceback (most recent call last):")
+    assert "sessions_app/services/sessions.py" in trace and ", in session_create\n" in trace
+    assert ", in _session_create\n" in trace and "test_logs.py" in trace
+    assert trace.endswith("TypeError (message withheld)")
+    assert secret not in json.dumps(captured())
+
+
+def test_a_code_bug_in_a_turn_is_logged_with_its_ids_frames_and_no_secret(demo, captured, monkeypatch):
+    """A TypeError inside a runtime while a turn runs: the turn ends with an error, and the
+    turn's boundary logs it with the tenant, session and turn, and the frames down to the
+    runtime, without the message (it quotes a secret)."""
+    from agents.runtimes.echo import EchoRuntime
+
+    secret = "sk-live-" + "7c" * 16
+
+    async def run(self, ctx):
+        raise TypeError(f"'NoneType' object is not subscriptable (key={secret})")
+
+    monkeypatch.setattr(EchoRuntime, "run", run)
+    session_id = demo.create_session("echo")
+    result = demo.turn(session_id, text="hi")
+    assert result.stop_reason == "error"
+    deadline = time.monotonic() + 30
+    while not (mine := [line for line in captured() if line.get("turn") == result.turn_id and "exc_info" in line]):
+        assert time.monotonic() < deadline, "the failed turn was never logged with its traceback"
+        time.sleep(0.1)
+    [line] = mine
+    assert line["level"] == "ERROR" and line["session"] == session_id and line["tenant"] == "demo"
+    trace = line["exc_info"]
+    assert "sessions_app/host.py" in trace and ", in run\n" in trace and "test_logs.py" in trace
+    assert trace.endswith("TypeError (message withheld)")
+    assert secret not in json.dumps(captured())

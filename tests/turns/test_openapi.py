@@ -140,7 +140,7 @@ def test_the_document_states_the_limits_the_server_enforces(document):
     )
     assert turn["properties"]["messages"]["minItems"] == 1
     for name, schema in document["components"]["schemas"].items():
-        if name.endswith("Request") or name.endswith("Message") and "properties" in schema:
+        if name.endswith("Request") or (name.endswith("Message") and "properties" in schema):
             assert schema.get("additionalProperties") is False, name
             assert "_meta" in schema["properties"], name
 

@@ -195,6 +195,5 @@ def test_rotate_secrets_reencrypts_with_the_new_first_key_and_old_key_can_go(dem
     with override_settings(HOSTING_ENCRYPTION_KEYS=[new_key]):
         assert effective_options(session.agent, session.options)["apiKey"] == "sk-rotate-me"
         assert stored.default_value() == "sk-small-window-default"
-    with override_settings(HOSTING_ENCRYPTION_KEYS=old_keys):
-        with pytest.raises(SecretDecryptionError):
-            stored.default_value()
+    with override_settings(HOSTING_ENCRYPTION_KEYS=old_keys), pytest.raises(SecretDecryptionError):
+        stored.default_value()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import itertools
 import re
 import uuid
 
@@ -52,7 +53,7 @@ def test_session_ids_are_unguessable(demo, db_access):
         assert Session.objects.filter(public_id=session_id).exists()
     # Not sequential: no two ids share a long common prefix after "sess_".
     suffixes = sorted(SESSION_ID.match(i).group(1) for i in ids)
-    assert all(a[:8] != b[:8] for a, b in zip(suffixes, suffixes[1:]))
+    assert all(a[:8] != b[:8] for a, b in itertools.pairwise(suffixes))
 
 
 def test_created_session_reads_back_as_configured(demo):

@@ -19,6 +19,7 @@ from agents.runtimes.acp_bridge.gateway import PREFIX, GatewaySpec, ModelGateway
 from agents.runtimes.acp_bridge.process import AgentProcess, ProcessSpec
 from agents.runtimes.acp_bridge.runtime import AcpRuntime
 from agents.runtimes.acp_bridge.session import Prompt
+from hosting.logs import json_formatter
 from tests.fakes.openai_server import FakeOpenAI
 
 REAL_KEY = "sk-operator-real-key-0001"
@@ -136,15 +137,17 @@ def test_a_streamed_request_gets_include_usage_and_the_usage_counts_before_the_s
 
     async def scenario(url, usage):
         seen = []
-        async with agent_client() as client:
-            async with client.stream(
+        async with (
+            agent_client() as client,
+            client.stream(
                 "POST", f"{url}{PREFIX}/chat/completions", json=chat(True), headers={"Authorization": f"Bearer {TOKEN}"}
-            ) as response:
-                async for line in response.aiter_lines():
-                    if line == "data: [DONE]":
-                        seen.append(("done", list(usage)))
-                    elif line.startswith("data: "):
-                        seen.append(("chunk", json.loads(line[6:])))
+            ) as response,
+        ):
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    seen.append(("done", list(usage)))
+                elif line.startswith("data: "):
+                    seen.append(("chunk", json.loads(line[6:])))
         return response.status_code, seen
 
     (status, seen), usage = run_with_gateway(model.url, scenario)
@@ -229,9 +232,13 @@ def test_an_unreachable_model_gets_a_json_502_and_a_sentence_without_key_or_quer
     assert response.status_code == 502 and "error" in response.json()
     [record] = [r for r in caplog.records if "model gateway" in r.getMessage()]
     assert record.getMessage() == (
-        f"model gateway: agent agent/tenant/unit: POST http://127.0.0.1:{port}/v1/chat/completions failed (ConnectError)"
+        f"model gateway: agent agent/tenant/unit: POST http://127.0.0.1:{port}/v1/chat/completions failed"
     )
-    assert record.exc_info is None
+    # The failure's traceback, as the service's log renders it: frames and type, no message.
+    assert record.exc_info is not None and isinstance(record.exc_info[1], httpx.ConnectError)
+    rendered = json_formatter().format(record)
+    assert "httpx.ConnectError (message withheld)" in rendered and ", in _forward" in rendered
+    assert "sig=abc" not in rendered
     assert REAL_KEY not in caplog.text and TOKEN not in caplog.text
 
 

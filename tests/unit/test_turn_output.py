@@ -124,7 +124,7 @@ def test_deltas_that_wait_behind_a_slow_write_join_and_fold_the_same(settings, m
 
     async def go():
         publisher = host._Publisher("turn_unit", "delta")
-        delta = lambda text: {"event": "text_delta", "delta": text}  # noqa: E731
+        delta = lambda text: {"event": "text_delta", "delta": text}
         await publisher.emit(delta("a"))
         await asyncio.sleep(0)  # the first write starts and hangs
         await publisher.emit(delta("b"))

@@ -82,7 +82,7 @@ def test_a_turn_stream_has_no_session_start_and_passes_other_frames_byte_for_byt
     plain = V3_STREAM.replace(b"id: 3", b"id: 9")  # any frame but tool_result is untouched
     out = _shaped(SSEShaper(None), [plain])
     assert out.split(b"\n\n")[0] == plain.split(b"\n\n")[0]
-    assert [e.event for e in parse_sse(out)[0]][0] == "turn_start"
+    assert next(e.event for e in parse_sse(out)[0]) == "turn_start"
 
 
 @pytest.mark.parametrize("size", [1, 5, 10_000])

@@ -161,7 +161,7 @@ def test_answers_that_do_not_match_the_pending_calls_are_refused(messages, probl
 
 def test_without_pending_calls_a_turn_is_one_user_message():
     assert answers_for_pending([], [{"role": "user", "content": "hi"}]) == ([], [])
-    with pytest.raises(BadRequest, match="Send exactly one user message per turn."):
+    with pytest.raises(BadRequest, match=r"Send exactly one user message per turn\."):
         answers_for_pending([], [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
 

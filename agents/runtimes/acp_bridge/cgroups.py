@@ -20,6 +20,7 @@ Where neither can be written, `layout()` says why and the sandbox keeps its rlim
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -94,10 +95,8 @@ class UnitGroup:
     def kill(self) -> None:
         """Kill every process of the unit and wait (bounded) until none is left."""
         if self.layout.version == 2:
-            try:
+            with contextlib.suppress(OSError):
                 (self.dirs[0] / "cgroup.kill").write_text("1")
-            except OSError:
-                pass
         deadline = time.monotonic() + 10
         while True:
             pids = self.pids()
@@ -214,7 +213,5 @@ def create(unit: str, limits: Limits) -> UnitGroup | None:
 
 
 def _try_write(path: Path, value: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         path.write_text(value)
-    except OSError:
-        pass

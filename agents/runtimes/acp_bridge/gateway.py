@@ -25,6 +25,7 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeGuard
 from urllib.parse import urlsplit
 
 import httpx
@@ -100,9 +101,13 @@ def usage_of(obj) -> tuple[int, int] | None:
         return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     completion = usage.get("completion_tokens", usage.get("output_tokens"))
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (prompt, completion)):
+    if not (_is_count(prompt) and _is_count(completion)):
         return None
     return prompt, completion
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class _SseMeter:
@@ -221,13 +226,13 @@ class ModelGateway:
             await self._forward(method, upstream, headers, body, writer, metered=metered, added_usage=added_usage)
         except (ConnectionError, asyncio.CancelledError):
             raise  # the agent went away, or the unit stops
-        except Exception as exc:
+        except Exception:  # the request's boundary: the agent gets a 502
             logger.warning(
-                "model gateway: agent %s: %s %s failed (%s)",
+                "model gateway: agent %s: %s %s failed",
                 self.label,
                 method,
                 display_url(upstream),
-                type(exc).__name__,
+                exc_info=True,
             )
 
     @staticmethod
@@ -343,10 +348,8 @@ class ModelGateway:
                 await self._answer(response, writer, metered=metered and response.status_code < 300, added=added_usage)
             finally:
                 await response.aclose()
-        except httpx.HTTPError as exc:
-            logger.warning(
-                "model gateway: agent %s: %s %s failed (%s)", self.label, method, display_url(url), type(exc).__name__
-            )
+        except httpx.HTTPError:
+            logger.warning("model gateway: agent %s: %s %s failed", self.label, method, display_url(url), exc_info=True)
             if not started:
                 await self._refuse(writer, GatewayRefusal(502, "The model gateway could not reach the model endpoint."))
 
@@ -398,8 +401,8 @@ class ModelGateway:
     def _count(self, usage: tuple[int, int]) -> None:
         try:
             self.on_usage(*usage)
-        except Exception as exc:  # metering must never break the agent's answer
-            logger.warning("model gateway: agent %s: counting usage failed (%s)", self.label, type(exc).__name__)
+        except Exception:  # metering must never break the agent's answer
+            logger.warning("model gateway: agent %s: counting usage failed", self.label, exc_info=True)
 
     @staticmethod
     async def _chunk(writer: asyncio.StreamWriter, data: bytes) -> None:

@@ -53,7 +53,10 @@ class Snapshot:
 
     def unit(self, *, uid: int | None, pgid: int | None) -> tuple[list[int], int]:
         """A unit's processes (by its uid, or by process group without one) and their task count."""
-        members = self.by_uid.get(uid, []) if uid is not None else self.by_pgid.get(pgid, [])
+        if uid is not None:
+            members = self.by_uid.get(uid, [])
+        else:
+            members = self.by_pgid.get(pgid, []) if pgid is not None else []
         return [pid for pid, _ in members], sum(threads for _, threads in members)
 
 

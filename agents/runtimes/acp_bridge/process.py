@@ -436,11 +436,10 @@ class AgentProcess:
         breach = None
         if tasks >= bounds.processes:
             breach = f"The agent reached its limit of {bounds.processes} processes and threads"
-        elif self.cgroup is not None and self.cgroup.oom_kills() > self._oom_base:  # the kernel held the limit
-            breach = f"The agent used more than its memory limit of {limits.mib(bounds.memory_bytes)}"
-        elif self.cgroup is None and (
-            await asyncio.to_thread(limits.resident_bytes, pids) + hidden_memory > bounds.memory_bytes
-        ):
+        elif (self.cgroup is not None and self.cgroup.oom_kills() > self._oom_base) or (
+            self.cgroup is None
+            and (await asyncio.to_thread(limits.resident_bytes, pids) + hidden_memory > bounds.memory_bytes)
+        ):  # the kernel held the limit
             breach = f"The agent used more than its memory limit of {limits.mib(bounds.memory_bytes)}"
         elif disk:
             used = await asyncio.to_thread(limits.disk_bytes, box.writable) + hidden_disk
@@ -598,8 +597,8 @@ class AgentProcess:
         if exited:  # what it left running goes too
             try:
                 await self.stop(self.failure)
-            except Exception as exc:
-                logger.warning("stopping what ACP agent %s left failed: %s", self.spec.label, type(exc).__name__)
+            except Exception:  # the watcher's boundary: the unit is killed with the worker at worst
+                logger.warning("stopping what ACP agent %s left failed", self.spec.label, exc_info=True)
 
     async def stop(self, reason: str, *, kill: bool = False) -> None:
         """Stop the process (gracefully unless `kill`); once it is gone, so is the rest of its

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 from hosting import process, redis_connections
+from hosting.outages import REDIS_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,8 @@ class Holds:
         redis = _redis()
         try:
             await redis.aclient().delete(_holder_key(session_id))
-        except Exception as exc:  # the key expires by itself
-            logger.warning("could not clear the holder of %s: %s", session_id, type(exc).__name__)
+        except REDIS_ERRORS:  # the key expires by itself
+            logger.warning("could not clear the holder of %s", session_id, exc_info=True)
 
     async def _refresh(self) -> None:
         node = worker_node()
@@ -73,8 +74,8 @@ class Holds:
                 for session_id in list(self._held):
                     pipe.set(_holder_key(session_id), node, ex=HOLDER_TTL_SECONDS)
                 await pipe.execute()
-            except Exception as exc:
-                logger.warning("could not refresh ACP holders: %s", type(exc).__name__)
+            except REDIS_ERRORS:
+                logger.warning("could not refresh ACP holders", exc_info=True)
 
 
 def holder_sync(session_id: str) -> str | None:
@@ -134,6 +135,6 @@ async def listen_deleted(on_deleted: Callable[[str], None]) -> None:
                     on_deleted(message["data"])
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
-            logger.warning("ACP release listener lost Redis (%s); reconnecting", type(exc).__name__)
+        except Exception:  # the listener task's boundary: it must outlive any failure
+            logger.warning("ACP release listener failed; reconnecting", exc_info=True)
             await asyncio.sleep(1)

@@ -299,6 +299,8 @@ class AcpRuntime(Runtime):
             )
             raise AgentError(f"The agent failed the prompt (JSON-RPC error {result.code}).")
         if isinstance(result, BaseException):
+            # The prompt's boundary: the client reads the process's explanation, the log the frames.
+            logger.warning("ACP agent %s: its prompt failed", session.process.spec.label, exc_info=result)
             raise AgentError(await session.process.explain())
         breach = await session.process.check_limits()
         if breach:
@@ -353,8 +355,8 @@ class AcpRuntime(Runtime):
                     session.prompt = None
             await self._holds.release(session.aap_id)
             await self._close_calls(ctx, prompt)
-        except Exception as exc:
-            logger.warning("cancelling an ACP prompt failed: %s", type(exc).__name__)
+        except Exception:  # a cancel is best effort: the prompt ends either way
+            logger.warning("cancelling an ACP prompt failed", exc_info=True)
 
     # --- sessions and processes -----------------------------------------------------------
 
@@ -616,8 +618,8 @@ class AcpRuntime(Runtime):
             await asyncio.sleep(REAP_INTERVAL_SECONDS)
             try:
                 await self._reap()
-            except Exception as exc:
-                logger.warning("reaping ACP agents failed: %s", type(exc).__name__)
+            except Exception:  # the reaper task's boundary: the next round tries again
+                logger.warning("reaping ACP agents failed", exc_info=True)
 
     async def _watch_limits_forever(self) -> None:
         """Check every sandboxed unit against its limits: one pass over /proc per interval for
@@ -635,8 +637,8 @@ class AcpRuntime(Runtime):
                 for process in watched:
                     with log_context(**process.log_ids()):
                         await process.check_limits(snap, disk=bool(process.users) or tick % 5 == 0)
-            except Exception as exc:
-                logger.warning("checking ACP agents against their limits failed: %s", type(exc).__name__)
+            except Exception:  # the monitor task's boundary: the next round tries again
+                logger.warning("checking ACP agents against their limits failed", exc_info=True)
 
     async def _reap(self) -> None:
         now = time.monotonic()
@@ -690,8 +692,8 @@ class AcpRuntime(Runtime):
                 future = asyncio.run_coroutine_threadsafe(self._stop_all("The worker is shutting down."), loop)
                 try:
                     future.result(settings.AAP_ACP_STOP_GRACE_SECONDS + SHUTDOWN_SLACK_SECONDS)
-                except Exception as exc:
-                    logger.warning("stopping the ACP agents gracefully failed: %s", type(exc).__name__)
+                except Exception:  # shutdown goes on: the agents are killed next
+                    logger.warning("stopping the ACP agents gracefully failed", exc_info=True)
         self._kill_all()
 
     async def _stop_all(self, reason: str) -> None:

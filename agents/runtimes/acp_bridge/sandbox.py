@@ -99,7 +99,8 @@ def missing() -> tuple[str, ...]:
         abi = int(get_abi_version())
         if abi < LANDLOCK_ABI_NEEDED:
             gaps.append(f"Landlock ABI {LANDLOCK_ABI_NEEDED} (Linux 6.12 or later; this kernel offers ABI {abi})")
-    except Exception as exc:
+    except Exception as exc:  # a probe: any failure means the feature is missing
+        logger.debug("sandbox probe: Landlock unavailable", exc_info=True)
         gaps.append(f"Landlock (Linux 6.12 or later with Landlock enabled; here: {type(exc).__name__})")
     try:
         import pyseccomp
@@ -107,7 +108,8 @@ def missing() -> tuple[str, ...]:
         pyseccomp.get_api()
         if "Seccomp:" not in Path("/proc/self/status").read_text():
             gaps.append("seccomp filters in the kernel")
-    except Exception as exc:
+    except Exception as exc:  # a probe: any failure means the feature is missing
+        logger.debug("sandbox probe: libseccomp unavailable", exc_info=True)
         gaps.append(f"libseccomp (the libseccomp2 package; here: {type(exc).__name__})")
     return tuple(gaps)
 
@@ -133,7 +135,8 @@ def namespaces_missing() -> tuple[str, ...]:
         import pyseccomp
 
         pyseccomp.get_api()
-    except Exception as exc:
+    except Exception as exc:  # a probe: any failure means the feature is missing
+        logger.debug("sandbox probe: libseccomp unavailable", exc_info=True)
         return (f"libseccomp (the libseccomp2 package; here: {type(exc).__name__})",)
     probe_uid = settings.AAP_SANDBOX_UID_BASE + settings.AAP_SANDBOX_UID_COUNT if as_root() else -1
     try:
@@ -523,7 +526,7 @@ TMP_BYTES = 64 * 1024 * 1024  # /tmp and /dev/shm of a unit (tmpfs: counted as i
 def egress_socket_dir() -> Path:
     """Where the egress proxies' sockets live (never inside a unit's view but its own socket)."""
     directory = workspace.ensure_dir(workspace.root() / ".egress")
-    os.chmod(directory, 0o711)
+    os.chmod(directory, 0o711)  # noqa: S103 (traversable by the agents' uids, not listable)
     return directory
 
 

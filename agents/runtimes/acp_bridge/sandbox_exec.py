@@ -35,7 +35,9 @@ stops an isolation unit, whatever process groups or sessions its processes made.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import itertools
 import json
 import os
 import resource
@@ -148,7 +150,7 @@ def _outside(arg: int, allowed, mask: int | None = None) -> list:
         return [seccomp.Arg(arg, seccomp.MASKED_EQ, mask, value) for value in range(mask + 1) if value not in allowed]
     values = sorted(allowed)
     found = [seccomp.Arg(arg, seccomp.LT, values[0])] if values[0] > 0 else []
-    for low, high in zip(values, values[1:], strict=False):
+    for low, high in itertools.pairwise(values):
         found += [seccomp.Arg(arg, seccomp.EQ, value) for value in range(low + 1, high)]
     return [*found, seccomp.Arg(arg, seccomp.GT, values[-1])]
 
@@ -214,7 +216,7 @@ def _limit_and_drop(policy: dict) -> None:
         try:
             _drop(int(policy["uid"]), int(policy["gid"]))
         except OSError as exc:
-            _fail(f"the agent's user could not be set ({errno.errorcode.get(exc.errno, 'error')})")
+            _fail(f"the agent's user could not be set ({errno.errorcode.get(exc.errno or 0, 'error')})")
 
 
 def confine(policy: dict) -> None:
@@ -273,7 +275,7 @@ def _join_cgroups(policy: dict) -> None:
             with open(procs, "w") as handle:
                 handle.write(str(os.getpid()))
         except OSError as exc:
-            _fail(f"the unit's cgroup could not be joined ({errno.errorcode.get(exc.errno, 'error')})")
+            _fail(f"the unit's cgroup could not be joined ({errno.errorcode.get(exc.errno or 0, 'error')})")
 
 
 def _bwrap_argv(policy: dict, command: list[str]) -> list[str]:
@@ -284,7 +286,8 @@ def _bwrap_argv(policy: dict, command: list[str]) -> list[str]:
     argv += ["--unshare-uts", "--unshare-cgroup-try", "--disable-userns", "--die-with-parent", "--new-session"]
     argv += ["--hostname", "aap-agent", "--proc", "/proc", "--dev", "/dev"]
     tmp_bytes = str(int(policy.get("tmp_bytes", 64 * 1024 * 1024)))
-    argv += ["--size", tmp_bytes, "--tmpfs", "/tmp", "--size", tmp_bytes, "--tmpfs", "/dev/shm"]
+    # The unit's own fresh tmpfs mounts, inside its namespace: no file is created here.
+    argv += ["--size", tmp_bytes, "--tmpfs", "/tmp", "--size", tmp_bytes, "--tmpfs", "/dev/shm"]  # noqa: S108
     for path in policy.get("read", []):
         if path == "/proc" or path.startswith("/proc/"):
             continue
@@ -321,10 +324,8 @@ def _relay(port: int, ready: int) -> None:
             pass
         finally:
             for sock, how in ((sink, socket.SHUT_WR), (source, socket.SHUT_RD)):
-                try:
+                with contextlib.suppress(OSError):
                     sock.shutdown(how)
-                except OSError:
-                    pass
 
     def serve(client: socket.socket) -> None:
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -374,7 +375,7 @@ def _exec(command: list[str], env: dict, cwd: str) -> None:
         os.chdir(cwd or "/")
         os.execve(command[0], command, env)
     except OSError as exc:
-        _fail(f"the agent command could not be started ({errno.errorcode.get(exc.errno, 'error')})")
+        _fail(f"the agent command could not be started ({errno.errorcode.get(exc.errno or 0, 'error')})")
 
 
 def probe(bwrap: str, uid: int) -> None:
@@ -422,7 +423,7 @@ def main(argv: list[str]) -> None:
         try:
             os.execve(bwrap[0], bwrap, {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
         except OSError as exc:
-            _fail(f"bubblewrap could not be started ({errno.errorcode.get(exc.errno, 'error')})")
+            _fail(f"bubblewrap could not be started ({errno.errorcode.get(exc.errno or 0, 'error')})")
         return
     env = _read_env(policy)
     _join_cgroups(policy)

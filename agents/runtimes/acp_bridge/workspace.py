@@ -124,7 +124,7 @@ def _refusal(exc: OSError) -> WorkspaceError:
         return WorkspaceError("A component of the path is not a directory.")
     if exc.errno == errno.EISDIR:
         return WorkspaceError("The path is a directory, not a file.")
-    return WorkspaceError(f"The file cannot be opened ({errno.errorcode.get(exc.errno, 'error')}).")
+    return WorkspaceError(f"The file cannot be opened ({errno.errorcode.get(exc.errno or 0, 'error')}).")
 
 
 def _check_regular(fd: int) -> os.stat_result:

@@ -102,7 +102,7 @@ def provider_text(exc: BaseException) -> str:
             return message if isinstance(message, str) else json.dumps(body)[:2000]
         try:
             return exc.response.text[:2000]
-        except Exception:  # a streamed error body that was not read
+        except httpx.StreamError:  # a streamed error body that was not read
             return ""
     cause = exc.__cause__ or exc.__context__
     return f"{type(exc).__name__}" + (f" ({type(cause).__name__}: {cause})" if cause else f": {exc}")

@@ -51,7 +51,7 @@ async def compact(turn: Turn) -> bool:
         return False
     kept = [m for m in view[:lead] if not is_summary(m)]
     turn.dropped += cut - len(turn.summary)
-    turn.summary = kept + [{"role": "system", "content": SUMMARY_PREFIX + summary}]
+    turn.summary = [*kept, {"role": "system", "content": SUMMARY_PREFIX + summary}]
     turn.measured = None
     turn.chat_tokens = None
     return True

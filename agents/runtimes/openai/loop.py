@@ -73,6 +73,10 @@ def _probes(history: list[dict], length: int) -> tuple:
     return (history[0], history[(length - 1) // 2], history[length - 1])
 
 
+#: The stop reason of a reply the model finished for a reason other than its answer.
+FINISH_STOP_REASONS: dict[str, StopReason] = {"length": "max_tokens", "content_filter": "refusal"}
+
+
 class OpenAIRuntime(Runtime):
     """An agent backed by an OpenAI-compatible Chat Completions server (OpenAI, vLLM, Ollama, ...)."""
 
@@ -218,7 +222,7 @@ class OpenAIRuntime(Runtime):
                 if await self._run_tool_calls(turn, reply):
                     return "tool_use"
                 continue
-            return {"length": "max_tokens", "content_filter": "refusal"}.get(reply.finish or "", "end_turn")
+            return FINISH_STOP_REASONS.get(reply.finish or "", "end_turn")
 
     def _history_chat(self, ctx: TurnContext) -> tuple[list[dict], int, tuple[list[dict], int, int, ChatBuilder]]:
         """The turn's history in the model's format, its token estimate and where the builder's
@@ -347,7 +351,7 @@ class OpenAIRuntime(Runtime):
             reply.usage = (_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
         for choice in answer["choices"]:
             if isinstance(choice, dict) and choice.get("index") in (0, None):
-                message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+                message = choice["message"] if isinstance(choice.get("message"), dict) else {}
                 calls = [
                     {**c, "index": i} for i, c in enumerate(message.get("tool_calls") or []) if isinstance(c, dict)
                 ]
