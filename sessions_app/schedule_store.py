@@ -84,7 +84,8 @@ def fair_order(
     limit (`default_max_running` where the tenant sets none; 0: no limit) may not start yet:
     those come last. With `node`: only the turns a thread of that worker may take (in its
     queue, AAP_TURN_QUEUE; not pinned to another worker, or accepted before `pinned_before`)."""
-    order, params = _IN_FAIR_ORDER, [default_max_running, default_max_running, limit]
+    order = _IN_FAIR_ORDER
+    params: list[int | str | None] = [default_max_running, default_max_running, limit]
     if node is not None:
         order = order.replace(
             "FROM ranked", "FROM ranked WHERE queue = %s AND (pinned_node = '' OR pinned_node = %s OR created_at < %s)"
