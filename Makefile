@@ -3,6 +3,7 @@
 #   make run                 migrate, seed the demo tenant when absent, serve on 127.0.0.1:8000
 #   make test [ARGS=...]     the suite against PostgreSQL + Redis (throwaway servers when none answer)
 #   make test-fast           the unit, API and turns tiers (in process, no servers of its own, two workers)
+#   make coverage            the same tiers measured: the report, and the floor it must keep
 #   make lint                ruff (lint + format check), mypy against its baseline, the import layers
 #   make mypy-baseline       rewrite mypy-baseline.txt after fixing type errors (it may only shrink)
 #   make lock                rewrite requirements.lock / requirements-test.lock from pyproject.toml
@@ -46,7 +47,7 @@ CELERY_CONCURRENCY ?= 16
 FAST_WORKERS ?= 2
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install install-test run test test-fast lint mypy mypy-baseline lock chaos bench migrate seed worker clean
+.PHONY: help venv install install-test run test test-fast coverage lint mypy mypy-baseline lock chaos bench migrate seed worker clean
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -149,6 +150,11 @@ mypy-baseline: $(TEST_STAMP)
 LOCK_WHEELS := $(VENV)/lock-wheels
 LOCK_FLAGS  := --quiet --strip-extras --generate-hashes --unsafe-package aap-client \
 	--find-links $(LOCK_WHEELS) --no-emit-index-url --no-emit-find-links
+# The in-process tiers' coverage: the report, and the floor on the services, the turn engine and
+# the views ([tool.coverage.report] in pyproject.toml).
+coverage: $(TEST_STAMP)
+	scripts/test.sh -n $(FAST_WORKERS) --cov --cov-report=term-missing:skip-covered tests/unit tests/api tests/turns $(PYTEST_ARGS)
+
 lock: $(TEST_STAMP)
 	rm -rf $(LOCK_WHEELS)
 	$(BIN)/python -m pip wheel --quiet --disable-pip-version-check --no-deps -w $(LOCK_WHEELS) ./sdk
