@@ -3,6 +3,7 @@ streaming request read on a thread so a test can act while the turn runs."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -92,6 +93,16 @@ def same_turn_in_every_mode(client: AAP, session: str, messages: list[dict], **b
 
 def deltas(result: TurnResult, kind: str = "text") -> list[str]:
     return [e.data["delta"] for e in result.events if e.event == f"{kind}_delta"]
+
+
+def assert_deltas(result: TurnResult, pieces: list[str], kind: str = "text") -> None:
+    """The stream's deltas are `pieces`, one each; on a loaded machine the worker may join
+    consecutive ones (its backpressure, sessions_app.host._Publisher), never split, drop or
+    reorder them."""
+    got = deltas(result, kind)
+    assert "".join(got) == "".join(pieces), (got, pieces)
+    edges = set(itertools.accumulate(len(piece) for piece in pieces))
+    assert set(itertools.accumulate(len(delta) for delta in got)) <= edges, (got, pieces)
 
 
 def user(text) -> list[dict]:

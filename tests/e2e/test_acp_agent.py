@@ -19,7 +19,17 @@ import yaml
 
 from tests.support import ROOT, Stack
 
-from ..turn_checks import MODES, LiveTurn, checked_turn, deltas, numbered_calls, text_reply, user, wait_until
+from ..turn_checks import (
+    MODES,
+    LiveTurn,
+    assert_deltas,
+    checked_turn,
+    deltas,
+    numbered_calls,
+    text_reply,
+    user,
+    wait_until,
+)
 
 TOOL_KINDS = ["read", "edit", "delete", "move", "search", "execute", "think", "fetch", "switch_mode", "other"]
 OPERATOR_SECRET = "sk-acp-operator-secret-0001"
@@ -189,7 +199,7 @@ def test_text_and_thoughts_stream_in_every_mode(client):
             ],
         }
     ]
-    assert deltas(results["delta"], "thinking") == ["thinking ", "about: ", "deep ", "waters"]
+    assert_deltas(results["delta"], ["thinking ", "about: ", "deep ", "waters"], "thinking")
     assert results["message"].names == ["turn_start", "thinking", "text", "turn_stop"]
 
 

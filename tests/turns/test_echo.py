@@ -8,6 +8,7 @@ import hashlib
 import pytest
 
 from ..turn_checks import (
+    assert_deltas,
     assert_sse_shape,
     checked_turn,
     deltas,
@@ -26,7 +27,7 @@ def test_plain_message_is_echoed_word_by_word(demo):
     assert results["none"].messages == text_reply("echo: hello  there world")
     assert results["none"].stop_reason == "end_turn"
     # one text_delta per word, each keeping its following whitespace
-    assert deltas(results["delta"]) == ["echo: ", "hello  ", "there ", "world"]
+    assert_deltas(results["delta"], ["echo: ", "hello  ", "there ", "world"])
     assert results["message"].names == ["turn_start", "text", "turn_stop"]
 
 
@@ -34,7 +35,7 @@ def test_style_upper_uppercases_the_text(demo):
     session = new_session(demo, "echo", options={"style": "upper"})
     results = same_turn_in_every_mode(demo, session, user("Hello there"))
     assert results["none"].messages == text_reply("echo: HELLO THERE")
-    assert deltas(results["delta"]) == ["echo: ", "HELLO ", "THERE"]
+    assert_deltas(results["delta"], ["echo: ", "HELLO ", "THERE"])
 
 
 def test_signature_is_appended(demo):
@@ -70,7 +71,7 @@ def test_think_streams_a_thinking_part_then_the_reply(demo):
             ],
         }
     ]
-    assert deltas(results["delta"], "thinking") == ["thinking ", "about: ", "about ", "cats"]
+    assert_deltas(results["delta"], ["thinking ", "about: ", "about ", "cats"], "thinking")
     assert results["delta"].names[1:4] == ["thinking_delta"] * 3
     assert results["message"].names == ["turn_start", "thinking", "text", "turn_stop"]
 
@@ -89,14 +90,14 @@ def test_max_stops_with_max_tokens_after_truncated_text(demo):
     results = same_turn_in_every_mode(demo, session, user("/max"))
     assert results["none"].stop_reason == "max_tokens"
     assert results["none"].messages == text_reply("echo: truncated")
-    assert deltas(results["delta"]) == ["echo: ", "truncated"]
+    assert_deltas(results["delta"], ["echo: ", "truncated"])
 
 
 def test_slow_ticks_are_one_delta_each_and_one_text_in_message_mode(demo):
     session = demo.create_session("echo")
     results = same_turn_in_every_mode(demo, session, user("/slow 4 50"))
     assert results["none"].messages == text_reply("tick 1 tick 2 tick 3 tick 4 ")
-    assert deltas(results["delta"]) == ["tick 1 ", "tick 2 ", "tick 3 ", "tick 4 "]
+    assert_deltas(results["delta"], ["tick 1 ", "tick 2 ", "tick 3 ", "tick 4 "])
     assert results["message"].names == ["turn_start", "text", "turn_stop"]
 
 
