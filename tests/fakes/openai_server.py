@@ -322,6 +322,9 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "FakeOpenAI/1"
+    # TCP_NODELAY, as real servers (uvicorn, llama.cpp's) set it: otherwise a token written
+    # while the headers are unacknowledged waits for the client's delayed ACK (40 ms).
+    disable_nagle_algorithm = True
     server: _Server
 
     def log_message(self, format, *args):
