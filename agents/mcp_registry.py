@@ -142,7 +142,7 @@ def request_listing(agent, *, again: bool = False) -> bool:
     """Ask a worker to list the agent's servers (agents.tasks.list_mcp_tools): once per
     revision and minute from this process unless `again`. False (logged) when the broker is
     unreachable; whoever reads the agent next asks again."""
-    from hosting import broker
+    from celery import current_app
 
     key, now = revision_key(agent.updated_at), time.monotonic()
     with _lock:
@@ -152,7 +152,9 @@ def request_listing(agent, *, again: bool = False) -> bool:
         _asked[agent.pk] = (key, now)
     task_id = f"mcp-list-{agent.pk}-{uuid.uuid4().hex}"
     try:
-        broker.send_task(LIST_TASK, task_id, (agent.pk,), settings.CELERY_TASK_DEFAULT_QUEUE)
+        current_app.send_task(
+            LIST_TASK, args=(agent.pk,), task_id=task_id, queue=settings.CELERY_TASK_DEFAULT_QUEUE, ignore_result=True
+        )
     except Exception:  # best effort: the admin page says the listing was not asked for
         with _lock:
             _asked.pop(agent.pk, None)

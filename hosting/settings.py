@@ -221,12 +221,10 @@ REDIS_URL = os.environ.get("REDIS_URL", "")
 REDIS_POOL_MAX = env_int("REDIS_POOL_MAX", 50)
 CELERY_BROKER_URL = REDIS_URL or "memory://"
 CELERY_TASK_IGNORE_RESULT = True
-# A worker reserves no more messages than it has free threads, and a message leaves Redis
-# when a worker takes it: the worker claims its turn in PostgreSQL at once, and from then on
-# the turn's heartbeat says whether it is alive. A turn taken by a worker that died before
-# claiming it is still `dispatched` in PostgreSQL but no longer on the queue: the sweep sends
-# it again (sessions_app.dispatch). So Kombu's Redis ack emulation (a sorted set and a hash
-# written in two transactions per message) is off: taking a message writes nothing else.
+# Celery carries no turn: turns wait in PostgreSQL, and workers hear of them there
+# (sessions_app.worker). What it carries (an MCP server listing, a wake-up where the
+# database is SQLite, beat's sweep) is safe to lose or to run twice; a message leaves Redis
+# when a worker takes it, so Kombu's Redis ack emulation is off.
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_WORKER_DISABLE_PREFETCH = env_bool("AAP_WORKER_DISABLE_PREFETCH", True)
@@ -236,8 +234,6 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     "socket_connect_timeout": 5,
 }
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-# Kombu's Redis transport, with one Redis client per channel instead of one per message.
-CELERY_BROKER_TRANSPORT = "hosting.broker:Transport" if REDIS_URL.startswith("redis://") else None
 CELERY_TASK_DEFAULT_QUEUE = "aap-turns"
 # Every worker also consumes its own direct queue: a turn answering a prompt that one
 # worker holds (ACP permissions) is sent there.

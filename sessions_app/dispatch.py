@@ -2,10 +2,11 @@
 
 PostgreSQL is the one queue. A turn is committed `queued` and waits there until a worker
 thread with a free slot claims it (sessions_app.worker, schedule_store.claim_next: fair
-between tenants by weight, within each tenant's running limit, in one statement). On
-commit, `wake` rings a worker's bell: a Celery message with no turn in it (to the worker
-that holds the prompt a turn answers, when it is pinned), or, in the embedded mode, this
-process's own worker. A lost wake-up costs latency, never a turn: each worker looks for
+between tenants by weight, within each tenant's running limit, in one statement). When
+the turn commits, a worker's bell rings: on PostgreSQL, the notification that the turn's
+insert sent (heard by every worker's listener, sessions_app.worker); on SQLite, a Celery
+message with no turn in it (to the worker that holds the prompt a turn answers, when it is
+pinned), or, in the embedded mode, this process's own worker. A lost wake-up costs latency, never a turn: each worker looks for
 waiting turns every AAP_WORKER_POLL_SECONDS while a thread of its is free, and a thread
 whose turn ends claims the next itself. Celery holds no state that must be reconciled with
 PostgreSQL.
@@ -14,16 +15,15 @@ PostgreSQL.
 from __future__ import annotations
 
 import logging
-import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
+from celery import current_app
 from celery.utils.nodenames import worker_direct
 from django.conf import settings
+from django.db import connection
 from django.utils import timezone
 from django.utils.module_loading import import_string
-
-from hosting import broker
 
 from . import schedule_store
 
@@ -37,14 +37,18 @@ EMBEDDED_WAKE = "sessions_app.worker.wake_embedded"
 
 
 def wake(node: str | None = None) -> None:
-    """Tell a worker that a turn waits (`node`: the worker it is pinned to). Never raises:
-    without the broker, the workers find the turn at their next look."""
+    """After a turn is committed: tell a worker that it waits (`node`: the worker it is
+    pinned to). On PostgreSQL there is nothing to do: the statement that stored the turn
+    notified the workers, who hear it at the commit (turn_store.insert_turn). Never raises:
+    without a wake-up, the workers find the turn at their next look."""
     if not settings.REDIS_URL:
         import_string(EMBEDDED_WAKE)()
         return
+    if connection.vendor == "postgresql":
+        return
     queue = worker_direct(node) if node else settings.CELERY_TASK_DEFAULT_QUEUE
     try:
-        broker.send_task(WAKE, uuid.uuid4().hex, (), queue)
+        current_app.send_task(WAKE, queue=queue, ignore_result=True)
     except Exception:  # best effort: a worker looks for turns on its own
         logger.warning("no worker could be woken now: the turn waits for the next look", exc_info=True)
 

@@ -202,16 +202,34 @@ def close_turn_on_session(
 # --- turns ------------------------------------------------------------------------------------
 
 
+# The PostgreSQL notification channel of waiting turns (insert_turn), which each worker
+# listens to (sessions_app.worker).
+WAKE_CHANNEL = "aap_turn_waits"
+
+
+def wake_payload(queue: str, node: str) -> str:
+    """A notification's payload: the turn's queue, and the worker it is pinned to (or none)."""
+    return f"{queue}\t{node}"
+
+
 def insert_turn(
     turn_id: str, session_pk: int, stream: str, permissions: list, *, node: str = "", trace_parent: str = ""
 ) -> None:
     """A new queued turn; `node`: the worker that must run it (it holds the prompt the turn
-    answers), else any; `trace_parent`: the trace its run continues."""
+    answers), else any; `trace_parent`: the trace its run continues. On PostgreSQL the same
+    statement notifies WAKE_CHANNEL, which the workers hear when the transaction commits
+    (never before, never for a turn rolled back): payload `wake_payload(queue, node)`."""
+    insert = (
+        f"INSERT INTO {T} (id, session_id, status, stream, stop_reason, cancelled, permissions, error, "
+        f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq, pinned_node, trace_parent, "
+        f"queue) VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0, %s, %s, %s)"
+    )
+    notifies = connection.vendor == "postgresql"
+    if notifies:
+        insert = f"WITH stored AS ({insert} RETURNING 1) SELECT pg_notify(%s, %s) FROM stored"
     with connection.cursor() as cursor:
         cursor.execute(
-            f"INSERT INTO {T} (id, session_id, status, stream, stop_reason, cancelled, permissions, error, "
-            f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq, pinned_node, trace_parent, "
-            f"queue) VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0, %s, %s, %s)",
+            insert,
             [
                 turn_id,
                 session_pk,
@@ -223,6 +241,7 @@ def insert_turn(
                 node or "",
                 trace_parent,
                 settings.AAP_TURN_QUEUE,
+                *([WAKE_CHANNEL, wake_payload(settings.AAP_TURN_QUEUE, node)] if notifies else []),
             ],
         )
 

@@ -6,9 +6,16 @@ inside the web process; a test can make one without either):
 
 - `concurrency` slot threads. A free one claims the next waiting turn in one statement
   (`take`, the one hand-off of a turn to a thread: schedule_store.claim_next), runs it, and
-  claims again while turns wait; with nothing to claim it waits for a wake-up (`wake`: a
-  Celery message, or the embedded mode's commit hook), and one free thread looks again every
-  AAP_WORKER_POLL_SECONDS, so a lost wake-up costs latency, never a turn;
+  claims again while turns wait; with nothing to claim it waits for a wake-up (`wake`), and
+  one free thread looks again every AAP_WORKER_POLL_SECONDS, so a lost wake-up costs
+  latency, never a turn;
+- on PostgreSQL, a listener thread: the statement that stores a turn notifies
+  turn_store.WAKE_CHANNEL, delivered when its transaction commits, and each notification for
+  this worker's queue (and not pinned to another worker) is a wake-up. A wake-up that finds
+  no free thread is not kept as a debt: a thread that frees looks again if anything was
+  heard since its last look began (`_heard`), so no turn waits for the timer because it was
+  committed while every thread was busy. Elsewhere the wake-up is a Celery message (SQLite
+  with a broker) or the embedded mode's commit hook;
 - its heartbeat row in PostgreSQL every round, saying how many turns it runs at once (what
   `queued` positions are counted against);
 - a sweep for lost turns every SWEEP_SECONDS on a thread of its own (one worker at a time
@@ -38,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 # How often a worker process sweeps for lost turns (services.recovery.sweep_unless_running).
 SWEEP_SECONDS = 10.0
+# The wake-up listener: how often it checks that the worker still serves, and how soon it
+# connects again after losing PostgreSQL.
+LISTEN_CHECK_SECONDS = 1.0
+LISTEN_RETRY_SECONDS = 1.0
 
 
 class Worker:
@@ -51,7 +62,9 @@ class Worker:
         self.beats = beats
         self._stopped = threading.Event()
         self._bell = threading.Condition()
-        self._rung = 0  # wake-ups no waiting thread took yet (every thread was busy)
+        self._rung = 0  # wake-ups rung for waiting threads that have not taken them yet
+        self._idle = 0  # slot threads waiting for a wake-up
+        self._heard = 0  # wake-ups heard so far (a thread compares it with its last look's)
         self._looking = False  # a free thread looks for turns every AAP_WORKER_POLL_SECONDS
         self._threads: list[threading.Thread] = []
         self._slots: list[threading.Thread] = []
@@ -65,6 +78,10 @@ class Worker:
         """Say now that this worker's slots are there, then keep saying it and sweeping; its
         slot threads look for waiting turns at once (some may have waited for a worker)."""
         if self.beats:
+            if connection.vendor == "postgresql":
+                listener = threading.Thread(target=self._listen_forever, name="aap-wake-listener", daemon=True)
+                listener.start()
+                self._threads.append(listener)
             try:
                 self.round()
             except Exception:  # the thread's boundary: the next round tries again
@@ -81,10 +98,13 @@ class Worker:
             self._slots.append(thread)
 
     def wake(self) -> None:
-        """A turn waits: a free thread looks for it now (or the next thread to free up)."""
+        """A turn waits: a free thread looks for it now (or the next thread to free up, if it
+        looked before this)."""
         with self._bell:
-            self._rung = min(self._rung + 1, self.concurrency)
-            self._bell.notify()
+            self._heard += 1
+            if self._rung < self._idle:
+                self._rung += 1
+                self._bell.notify()
         # Let the woken thread take the interpreter now: otherwise it may wait for this one's
         # switch interval (5 ms) before it can claim the turn.
         time.sleep(0)
@@ -128,34 +148,40 @@ class Worker:
 
     def _serve(self) -> None:
         """A slot thread: claim, run, and claim again while turns wait; else wait to be woken."""
-        look = True
         while self.serving:
-            taken = self.take() if look else None
-            if taken is None:
-                connection.close()  # idle: no connection held while nothing runs
-                look = self._wait()
-                continue
-            turn_id, claimed = taken
-            look = self._run(turn_id, claimed)
+            # Whatever is heard from here on, this look (the claim, or the end of the turn it
+            # claims) may miss; what was heard before, it sees.
+            heard = self._heard
+            taken = self.take()
+            if taken is not None:
+                turn_id, claimed = taken
+                if self._run(turn_id, claimed):
+                    continue  # turns were waiting as it ended
+            connection.close()  # idle: no connection held while nothing runs
+            while not self._wait(heard):
+                if not self.serving:
+                    return
 
-    def _wait(self) -> bool:
-        """Wait for a wake-up, or, for the one thread that looks on a timer, the next look.
-        True: look for turns now."""
+    def _wait(self, heard: int) -> bool:
+        """Wait for a wake-up, or, for the one thread that looks on a timer, the next look;
+        `heard`: the wake-ups heard when this thread's last look began. True: look now."""
         poll = settings.AAP_WORKER_POLL_SECONDS if self.beats else None
         with self._bell:
-            if self._rung:
-                self._rung -= 1
-                return True
+            if self._heard != heard:
+                return True  # a turn may have been stored after that look began
             looking = poll is not None and not self._looking
             self._looking = self._looking or looking
+            self._idle += 1
             try:
                 self._bell.wait(poll if looking else None)
             finally:
+                self._idle -= 1
                 if looking:
                     self._looking = False
             if self._rung:
                 self._rung -= 1
-            return self.serving
+                return True
+            return looking
 
     def _run(self, turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
         """Run a claimed turn; whether turns were waiting as it ended (then it looks again)."""
@@ -180,6 +206,41 @@ class Worker:
                 logger.warning("the worker's heartbeat could not be written", exc_info=True)
             finally:
                 connection.close()
+
+    def _listen_forever(self) -> None:
+        """Wake-ups from PostgreSQL: LISTEN on turn_store.WAKE_CHANNEL over a connection of its
+        own (outside the pool; a transaction-pooling proxy cannot carry it). A lost
+        connection is replaced every LISTEN_RETRY_SECONDS; meanwhile the timed look finds the
+        turns, and once listening again one look catches up."""
+        import psycopg
+        from psycopg import sql
+
+        failing = False
+        params = {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}
+        while self.serving:
+            try:
+                with psycopg.connect(**params, autocommit=True) as conn:
+                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(turn_store.WAKE_CHANNEL)))
+                    if failing:
+                        logger.warning("wake-ups from PostgreSQL are heard again")
+                        failing = False
+                    self.wake()  # turns stored while nothing listened
+                    while self.serving:
+                        for note in conn.notifies(timeout=LISTEN_CHECK_SECONDS):
+                            if self._for_me(note.payload):
+                                self.wake()
+            except Exception:  # the thread's boundary: the timed look covers until it listens again
+                if not failing:
+                    logger.warning(
+                        "wake-ups from PostgreSQL are not heard now: turns wait for the timed look", exc_info=True
+                    )
+                failing = True
+                self._stopped.wait(LISTEN_RETRY_SECONDS)
+
+    def _for_me(self, payload: str) -> bool:
+        """A notification about a turn of this worker's queue, not pinned to another worker."""
+        queue, _, node = payload.partition("\t")
+        return queue == settings.AAP_TURN_QUEUE and node in ("", self.node)
 
     def _sweep_forever(self) -> None:
         """Its own sweep for lost turns, on a thread of its own (a long sweep never delays

@@ -96,18 +96,21 @@ def test_the_web_never_starts_a_stdio_server_a_worker_lists_it(api, settings, mo
     listed by a worker (agents.tasks.list_mcp_tools), never by the web process nor a command."""
     import sys
 
+    from celery import current_app
+
     from agents import mcp_registry as registry
     from agents.models import Agent, McpToolList
     from agents.runtimes.acp_bridge import process, sandbox
     from agents.services import agents_apply, mcp_refresh
     from agents.tasks import list_mcp_tools
-    from hosting import broker
     from hosting import process as host_process
     from tests.support import ROOT
 
     settings.REDIS_URL = settings.REDIS_URL or "redis://127.0.0.1:6379/0"  # nothing is sent there: see below
     sent, spawned = [], []
-    monkeypatch.setattr(broker, "send_task", lambda name, task_id, args, queue: sent.append((name, args, queue)))
+    monkeypatch.setattr(
+        current_app, "send_task", lambda name, args, task_id, queue, **options: sent.append((name, args, queue))
+    )
     spawn = process.AgentProcess.spawn
 
     async def recorded_spawn(self):
@@ -144,17 +147,18 @@ def test_the_web_never_starts_a_stdio_server_a_worker_lists_it(api, settings, mo
 
 
 def test_with_the_broker_unreachable_the_command_says_so_and_the_next_read_asks_again(api, settings, monkeypatch):
+    from celery import current_app
+
     from agents.services import agents_apply, mcp_refresh
-    from hosting import broker
 
     settings.REDIS_URL = settings.REDIS_URL or "redis://127.0.0.1:6379/0"
     tries = []
 
-    def unreachable(name, task_id, args, queue):
+    def unreachable(name, args, task_id, queue, **options):
         tries.append(args)
         raise ConnectionError("no broker")
 
-    monkeypatch.setattr(broker, "send_task", unreachable)
+    monkeypatch.setattr(current_app, "send_task", unreachable)
     name = f"mcp-{uuid.uuid4().hex[:6]}"
     agents_apply([entry(name, [{"name": "local", "command": "/bin/false"}])])
     (line,) = mcp_refresh(name)

@@ -1,13 +1,16 @@
 """Crash recovery on the production stack: a worker killed mid-turn ends its turn with
 `error` for whoever listens, what it produced and the incoming message stay in history, and
-the session takes the next turn; a turn whose wake-up Redis lost runs anyway."""
+the session takes the next turn; turns wake their worker through PostgreSQL, and a turn
+whose wake-up nobody heard runs anyway."""
 
 from __future__ import annotations
 
 import json
 from contextlib import contextmanager
 
-import redis
+import psycopg
+
+from sessions_app.turn_store import WAKE_CHANNEL
 
 from ..support import fold_events
 from ..turn_checks import LiveTurn, assert_sse_shape, checked_turn, text_reply, user, wait_until
@@ -68,45 +71,65 @@ def test_worker_killed_mid_turn_answers_a_waiting_none_request_with_error(pg_sta
     assert checked_turn(demo, session, user("next")).messages == text_reply("echo: next")
 
 
-def test_turn_whose_wake_up_was_lost_with_redis_data_runs_anyway(pg_stack, demo):
-    """A turn waits in PostgreSQL only: the broker carries a wake-up, and a worker with a free
-    thread looks for waiting turns on its own (AAP_WORKER_POLL_SECONDS)."""
-    session = demo.create_session("echo")
-    broker = redis.Redis.from_url(pg_stack.env["REDIS_URL"])
-    with worker_restored(pg_stack):
-        pg_stack.kill_worker()
-        waiting = LiveTurn.turn(pg_stack, session, "never lost", stream="none")
-        wait_until(lambda: broker.llen("aap-turns") > 0, message="the wake-up in the broker queue")
-        broker.delete("aap-turns")  # Redis loses its data (a restart without persistence)
-    waiting.wait_end(timeout=60)
-    assert waiting.status == 200
-    body = json.loads(waiting.raw)
-    assert body["stopReason"] == "end_turn", body
-    assert body["messages"] == text_reply("echo: never lost")
-    assert demo.history(session) == user("never lost") + body["messages"]
-    assert checked_turn(demo, session, user("and now?"), stream="message").messages == text_reply("echo: and now?")
+@contextmanager
+def worker_that_never_looks_on_its_own(stack):
+    """The stack's worker replaced by one whose timed look is an hour apart: a turn it runs
+    was heard of through PostgreSQL (or at its start). The usual worker is back afterwards."""
+    stack.kill_worker()
+    usual = stack.env
+    stack.env = {**usual, "AAP_WORKER_POLL_SECONDS": "3600"}
+    try:
+        stack.worker = stack.spawn_worker("celery-deaf-timer", 4)
+        yield
+    finally:
+        stack.env = usual
+        stack.kill_worker()
+        stack.start_worker()
 
 
-def test_turn_whose_wake_up_a_dying_worker_took_runs_anyway(pg_stack, demo):
-    """A message leaves the queue when a worker takes it (no ack emulation): a worker that dies
-    right after taking a wake-up leaves nothing to reconcile; the turn waits in PostgreSQL
-    and the next worker takes it."""
+def _listeners(stack) -> list[int]:
+    """The backends of the stack's database listening for waiting turns."""
+    with psycopg.connect(stack.env["DATABASE_URL"], autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query = %s",
+            [f'LISTEN "{WAKE_CHANNEL}"'],
+        ).fetchall()
+    return [pid for (pid,) in rows]
+
+
+def test_a_turn_wakes_its_worker_through_postgresql(pg_stack, demo):
+    """No broker message, no timer: the insert's notification, heard at the commit."""
     session = demo.create_session("echo")
-    broker = redis.Redis.from_url(pg_stack.env["REDIS_URL"])
-    with worker_restored(pg_stack):
-        pg_stack.kill_worker()
-        waiting = LiveTurn.turn(pg_stack, session, "taken, then dropped", stream="none")
-        wait_until(lambda: broker.llen("aap-turns") > 0, message="the wake-up in the broker queue")
-        taken = json.loads(broker.rpop("aap-turns"))  # what Kombu's BRPOP does for a worker, which then dies
-        waiting.wait_for(lambda t: t.headers is not None, what="response headers")
-        assert taken["headers"]["task"] == "sessions_app.tasks.wake"
-        assert broker.llen("aap-turns") == 0
-    waiting.wait_end(timeout=60)
-    assert waiting.status == 200
-    body = json.loads(waiting.raw)
-    assert body["stopReason"] == "end_turn", body
-    assert body["messages"] == text_reply("echo: taken, then dropped")
-    assert demo.history(session) == user("taken, then dropped") + body["messages"]
+    with worker_that_never_looks_on_its_own(pg_stack):
+        wait_until(lambda: _listeners(pg_stack), message="the worker listening")
+        for text in ("heard", "heard again"):
+            live = LiveTurn.turn(pg_stack, session, text, stream="delta").wait_end(timeout=60)
+            events = live.result().events
+            assert_sse_shape(events, live.turn_id)
+            assert events[-1].data["stopReason"] == "end_turn"
+            assert fold_events([e.as_dict() for e in events]) == text_reply(f"echo: {text}")
+        said = [*user("heard"), *text_reply("echo: heard"), *user("heard again"), *text_reply("echo: heard again")]
+        assert demo.history(session) == said
+
+
+def test_a_wake_up_nobody_heard_costs_the_turn_nothing(pg_stack, demo):
+    """The listener's connection is cut (a PostgreSQL restart, a proxy): the turn stored
+    meanwhile is found when the worker listens again, and later turns are heard as before."""
+    session = demo.create_session("echo")
+    with worker_that_never_looks_on_its_own(pg_stack):
+        listening = wait_until(lambda: _listeners(pg_stack), message="the worker listening")
+        with psycopg.connect(pg_stack.env["DATABASE_URL"], autocommit=True) as conn:
+            for pid in listening:
+                conn.execute("SELECT pg_terminate_backend(%s)", [pid])
+        waiting = LiveTurn.turn(pg_stack, session, "unheard", stream="none")
+        waiting.wait_end(timeout=60)
+        body = json.loads(waiting.raw)
+        assert waiting.status == 200 and body["stopReason"] == "end_turn", body
+        assert body["messages"] == text_reply("echo: unheard")
+        assert demo.history(session) == user("unheard") + body["messages"]
+        wait_until(lambda: set(_listeners(pg_stack)) - set(listening), message="the worker listening again")
+        after = LiveTurn.turn(pg_stack, session, "and now?", stream="none").wait_end(timeout=60)
+        assert json.loads(after.raw)["messages"] == text_reply("echo: and now?")
 
 
 def test_lost_turn_nobody_watches_is_ended_by_the_next_turn(pg_stack, demo):
