@@ -104,13 +104,16 @@ def run_host(seconds: float) -> dict:
 def run_services(seconds: float) -> dict:
     from datetime import timedelta
 
+    from django.conf import settings
     from django.utils import timezone
 
     from hosting.models import Tenant
-    from sessions_app import dispatch, schedule_store
+    from sessions_app import schedule_store
     from sessions_app.services import execution, sessions, turns
 
-    dispatch.wake = lambda node=None: None  # no worker: the turn is claimed and run here
+    # A queue of its own: the stack's workers neither hear of these turns nor claim them; each
+    # is claimed and run here.
+    settings.AAP_TURN_QUEUE = "bench-in-process"
     tenant = Tenant.objects.get(name="demo")
     session = sessions.session_create(tenant=tenant, agent_config={"name": "echo"}, messages=None, tools=None)
 
