@@ -33,8 +33,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from hosting import crypto
-from hosting import process as host_process
+from infra import crypto
+from infra import process as host_process
 
 from .runtimes.acp_bridge import sandbox, workspace
 from .runtimes.mcp_config import Server, servers_of, tool_name
@@ -142,7 +142,7 @@ def request_listing(agent, *, again: bool = False) -> bool:
     """Ask a worker to list the agent's servers (agents.tasks.list_mcp_tools): once per
     revision and minute from this process unless `again`. False (logged) when the broker is
     unreachable; whoever reads the agent next asks again."""
-    from hosting import broker
+    from infra import broker
 
     key, now = revision_key(agent.updated_at), time.monotonic()
     with _lock:

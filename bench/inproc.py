@@ -1,6 +1,6 @@
 """The same echo turn without HTTP and without the queue, in this process (scenario 2's reference).
 
-    python -m bench.inproc host SECONDS      sessions_app.host.execute(plan) on an in-memory event
+    python -m bench.inproc host SECONDS      sessions_app.engine.host.execute(plan) on an in-memory event
                                              stream: the runtime plus the host's own work
                                              (publishing, stream-mode shaping, fold, lease, cancel check)
     python -m bench.inproc services SECONDS  turns.turn_start + execution.turn_execute against
@@ -60,7 +60,7 @@ def _timed(run_one, seconds: float) -> dict:
 
 def run_host(seconds: float) -> dict:
     from agents.runtimes.echo import EchoRuntime
-    from sessions_app import events, host
+    from sessions_app.engine import events, host
 
     backend = events.backend()
     loop = asyncio.new_event_loop()
@@ -106,9 +106,9 @@ def run_services(seconds: float) -> dict:
 
     from django.utils import timezone
 
-    from hosting.models import Tenant
-    from sessions_app import dispatch, schedule_store
-    from sessions_app.services import execution, sessions, turns
+    from sessions_app.api.services import sessions, turns
+    from sessions_app.engine import dispatch, execution, schedule_store
+    from tenancy.models import Tenant
 
     dispatch.wake = lambda node=None: None  # no worker: the turn is claimed and run here
     tenant = Tenant.objects.get(name="demo")

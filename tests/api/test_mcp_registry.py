@@ -101,8 +101,8 @@ def test_the_web_never_starts_a_stdio_server_a_worker_lists_it(api, settings, mo
     from agents.runtimes.acp_bridge import process, sandbox
     from agents.services import agents_apply, mcp_refresh
     from agents.tasks import list_mcp_tools
-    from hosting import broker
-    from hosting import process as host_process
+    from infra import broker
+    from infra import process as host_process
     from tests.support import ROOT
 
     settings.REDIS_URL = settings.REDIS_URL or "redis://127.0.0.1:6379/0"  # nothing is sent there: see below
@@ -145,7 +145,7 @@ def test_the_web_never_starts_a_stdio_server_a_worker_lists_it(api, settings, mo
 
 def test_with_the_broker_unreachable_the_command_says_so_and_the_next_read_asks_again(api, settings, monkeypatch):
     from agents.services import agents_apply, mcp_refresh
-    from hosting import broker
+    from infra import broker
 
     settings.REDIS_URL = settings.REDIS_URL or "redis://127.0.0.1:6379/0"
     tries = []

@@ -1,4 +1,4 @@
-"""The web process's publish of a wake-up task (hosting.broker) against a real Redis: it writes
+"""The web process's publish of a wake-up task (infra.broker) against a real Redis: it writes
 what Celery's own `send_task` writes, and Kombu's channel builds one Redis client for it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import redis
 from celery import Celery
 
-from hosting import broker
+from infra import broker
 
 TASK = "sessions_app.tasks.wake"
 
@@ -27,7 +27,7 @@ def app_and_queue():
     app = Celery("broker-test", set_as_current=False)
     app.conf.update(
         broker_url=url,
-        broker_transport="hosting.broker:Transport",
+        broker_transport="infra.broker:Transport",
         broker_transport_options={"ack_emulation": False},
         task_ignore_result=True,
     )

@@ -1,0 +1,236 @@
+"""A worker: the threads that take turns from PostgreSQL and run them, and what keeps it known.
+
+`Worker` owns one worker process's part (a Celery worker's, built and started by its
+`worker_ready` signal in hosting.celery and drained at its shutdown; or the embedded mode's,
+inside the web process; a test can make one without either):
+
+- `concurrency` slot threads. A free one claims the next waiting turn in one statement
+  (`take`, the one hand-off of a turn to a thread: schedule_store.claim_next), runs it, and
+  claims again while turns wait; with nothing to claim it waits for a wake-up (`wake`: a
+  Celery message, or the embedded mode's commit hook), and one free thread looks again every
+  AAP_WORKER_POLL_SECONDS, so a lost wake-up costs latency, never a turn;
+- its heartbeat row in PostgreSQL every round, saying how many turns it runs at once (what
+  `queued` positions are counted against);
+- a sweep for lost turns every SWEEP_SECONDS on a thread of its own (one worker at a time
+  across the deployment); it reads PostgreSQL only.
+
+The turns' own heartbeats and leases are sessions_app.engine.liveness's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import close_old_connections, connection
+from django.utils import timezone
+
+from infra import tracing
+from infra.logs import log_context
+
+from . import execution, recovery, schedule_store, turn_store
+
+logger = logging.getLogger(__name__)
+
+# How often a worker process sweeps for lost turns (services.recovery.sweep_unless_running).
+SWEEP_SECONDS = 10.0
+
+
+class Worker:
+    """One process's turn threads: `concurrency` of them, under the name `node`. `beats`: it
+    writes its heartbeat row and sweeps (a Celery worker); the embedded mode's does not, and
+    looks for turns only when woken (its own requests wake it)."""
+
+    def __init__(self, node: str, concurrency: int, *, beats: bool = True):
+        self.node = node
+        self.concurrency = concurrency
+        self.beats = beats
+        self._stopped = threading.Event()
+        self._bell = threading.Condition()
+        self._rung = 0  # wake-ups no waiting thread took yet (every thread was busy)
+        self._looking = False  # a free thread looks for turns every AAP_WORKER_POLL_SECONDS
+        self._threads: list[threading.Thread] = []
+        self._slots: list[threading.Thread] = []
+
+    @property
+    def serving(self) -> bool:
+        """It takes new turns (not shutting down)."""
+        return not self._stopped.is_set()
+
+    def start(self) -> None:
+        """Say now that this worker's slots are there, then keep saying it and sweeping; its
+        slot threads look for waiting turns at once (some may have waited for a worker)."""
+        if self.beats:
+            try:
+                self.round()
+            except Exception:  # the thread's boundary: the next round tries again
+                logger.warning("the worker's heartbeat could not be written", exc_info=True)
+            finally:
+                connection.close()
+            for name, target in (("aap-worker-beat", self._beat_forever), ("aap-sweep", self._sweep_forever)):
+                thread = threading.Thread(target=target, name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        for number in range(self.concurrency):
+            thread = threading.Thread(target=self._serve, name=f"aap-turn-{number}", daemon=True)
+            thread.start()
+            self._slots.append(thread)
+
+    def wake(self) -> None:
+        """A turn waits: a free thread looks for it now (or the next thread to free up)."""
+        with self._bell:
+            self._rung = min(self._rung + 1, self.concurrency)
+            self._bell.notify()
+        # Let the woken thread take the interpreter now: otherwise it may wait for this one's
+        # switch interval (5 ms) before it can claim the turn.
+        time.sleep(0)
+
+    def stop(self) -> None:
+        """A warm shutdown: no new turn is taken (running ones finish, `drain`); its slots no
+        longer count."""
+        self._stopped.set()
+        with self._bell:
+            self._bell.notify_all()
+        if not self.beats:
+            return
+        try:
+            schedule_store.worker_gone(self.node)
+        except Exception:  # its heartbeat goes stale instead
+            logger.warning("the worker's departure could not be recorded", exc_info=True)
+        finally:
+            connection.close()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for the running turns to end (after `stop`)."""
+        for thread in self._slots:
+            thread.join(timeout)
+
+    def round(self) -> None:
+        """Its heartbeat row."""
+        if self.serving:
+            schedule_store.worker_beat(self.node, self.concurrency)
+
+    def take(self) -> tuple[str, turn_store.ClaimedTurn] | None:
+        """Claim the waiting turn the fair order gives a free thread of this worker; None when
+        none may start now, or PostgreSQL is unreachable (the turns wait for the next look).
+        Never raises."""
+        pinned_before = timezone.now() - timedelta(seconds=settings.AAP_TURN_PIN_SECONDS)
+        try:
+            return schedule_store.claim_next(self.node, settings.AAP_TENANT_MAX_RUNNING_TURNS, pinned_before)
+        except Exception:  # the slot's boundary: it claims again on its next look
+            logger.warning("waiting turns could not be claimed now", exc_info=True)
+            connection.close()  # a broken connection goes back to the pool, which discards it
+            return None
+
+    def _serve(self) -> None:
+        """A slot thread: claim, run, and claim again while turns wait; else wait to be woken."""
+        look = True
+        while self.serving:
+            taken = self.take() if look else None
+            if taken is None:
+                connection.close()  # idle: no connection held while nothing runs
+                look = self._wait()
+                continue
+            turn_id, claimed = taken
+            look = self._run(turn_id, claimed)
+
+    def _wait(self) -> bool:
+        """Wait for a wake-up, or, for the one thread that looks on a timer, the next look.
+        True: look for turns now."""
+        poll = settings.AAP_WORKER_POLL_SECONDS if self.beats else None
+        with self._bell:
+            if self._rung:
+                self._rung -= 1
+                return True
+            looking = poll is not None and not self._looking
+            self._looking = self._looking or looking
+            try:
+                self._bell.wait(poll if looking else None)
+            finally:
+                if looking:
+                    self._looking = False
+            if self._rung:
+                self._rung -= 1
+            return self.serving
+
+    def _run(self, turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
+        """Run a claimed turn; whether turns were waiting as it ended (then it looks again)."""
+        with log_context(turn=turn_id), tracing.continued(claimed.trace_parent):
+            try:
+                return execution.turn_execute(turn_id, claimed)
+            except Exception:
+                # Never raised further: the thread serves on, and the turn, still `running`
+                # with no heartbeat, ends as lost.
+                logger.error("turn %s failed on its worker thread", turn_id, exc_info=True)
+                return True
+            finally:
+                close_old_connections()
+
+    def _beat_forever(self) -> None:
+        from . import liveness
+
+        while not self._stopped.wait(liveness.interval()):
+            try:
+                self.round()
+            except Exception:  # the thread's boundary: the next round tries again
+                logger.warning("the worker's heartbeat could not be written", exc_info=True)
+            finally:
+                connection.close()
+
+    def _sweep_forever(self) -> None:
+        """Its own sweep for lost turns, on a thread of its own (a long sweep never delays
+        the heartbeats): it depends on PostgreSQL only, not on a broker message."""
+        while not self._stopped.wait(SWEEP_SECONDS):
+            try:
+                recovery.sweep_unless_running()
+            except Exception:  # the thread's boundary; PostgreSQL restarting: the next round tries again
+                logger.warning("the sweep for lost turns failed", exc_info=True)
+            finally:
+                connection.close()
+
+
+# This process's worker: a Celery worker's, or the embedded mode's (None until then).
+_current: Worker | None = None
+_embedded_lock = threading.Lock()
+
+
+def start_worker(node: str, concurrency: int) -> Worker:
+    """The one entry point of a Celery worker (its `worker_ready` signal): build and start it."""
+    global _current
+    _current = Worker(node, concurrency)
+    _current.start()
+    return _current
+
+
+def stop_worker() -> None:
+    """A warm shutdown's start: take no new turn."""
+    if _current is not None:
+        _current.stop()
+
+
+def drain_worker() -> None:
+    """A warm shutdown's end: wait for the running turns to end."""
+    if _current is not None:
+        _current.drain()
+
+
+def wake() -> None:
+    """A wake-up reached this worker process (the Celery task sessions_app.tasks.wake)."""
+    if _current is not None:
+        _current.wake()
+
+
+def wake_embedded() -> None:
+    """The embedded mode (dispatch.EMBEDDED_WAKE): this web process's own worker, started
+    with the first turn (it then takes the turns that waited for it, too)."""
+    global _current
+    if _current is None:
+        with _embedded_lock:
+            if _current is None:
+                worker = Worker("embedded", settings.AAP_EMBEDDED_WORKERS, beats=False)
+                worker.start()
+                _current = worker
+    _current.wake()
