@@ -104,7 +104,8 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "channels",
     "axes",
-    "hosting",
+    "infra",
+    "tenancy",
     "agents",
     "sessions_app",
 ]

@@ -9,6 +9,8 @@ from sessions_app.api import views as aap
 from sessions_app.api.playground import views as playground
 from sessions_app.api.v2 import views as aap_v2
 
+from . import openapi  # noqa: F401  (registers the bearer scheme of the OpenAPI document)
+
 
 class IdConverter:
     """A session or turn id: `sess_`/`turn_` + URL-safe base64, so a NUL never reaches SQL (a 404, not a 500)."""
