@@ -69,8 +69,3 @@ def create_once(create, tenant, idempotency: tuple[str, str] | None):
         if row is None:
             raise
         return None, row
-
-
-def forget_expired() -> int:
-    cutoff = timezone.now() - timedelta(seconds=settings.AAP_IDEMPOTENCY_SECONDS)
-    return IdempotencyKey.objects.filter(created_at__lt=cutoff).delete()[0]

@@ -10,11 +10,11 @@ import time
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
 
+from agents.models import Agent
 from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
-from agents.selectors import AgentDefinition, agent_definition, server_tool_specs
-from infra import metrics
+from agents.selectors import AgentDefinition, agent_definition, option_rows, server_tool_specs
+from infra import crypto, metrics
 from infra.logs import bind_log_context
-from sessions_app.api.services.validation import effective_options
 
 from ..models import Turn
 from ..protocol import dumps, unstorable
@@ -24,6 +24,17 @@ from .history import apply_compaction
 from .kept_history import kept_histories
 
 logger = logging.getLogger(__name__)
+
+
+def effective_options(agent: Agent | AgentDefinition, stored: dict) -> dict[str, str]:
+    """Every declared option's value for the runtime: set value, else default (decrypted)."""
+    values = {}
+    for option in option_rows(agent):
+        if option.name in stored:
+            values[option.name] = crypto.decrypt(stored[option.name]) if option.is_secret else stored[option.name]
+        else:
+            values[option.name] = option.default_value()
+    return values
 
 
 def _server_bindings(agent: AgentDefinition, refs: list[dict] | None) -> dict[str, ServerToolBinding]:

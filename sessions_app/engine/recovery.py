@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -11,9 +12,8 @@ from django.utils import timezone
 
 from infra import metrics
 from infra.outages import OUTAGE_ERRORS
-from sessions_app.api import idempotency_keys
 
-from ..models import Session, Turn
+from ..models import IdempotencyKey, Session, Turn
 from ..protocol import fold
 from . import dispatch, events
 from .endings import LOST_ERROR, publish_stop, publish_stop_if_missing
@@ -125,11 +125,18 @@ def turn_recover_if_lost(turn_id: str) -> bool:
         return finalize_if_lost(turn, session)
 
 
+def forget_expired_idempotency_keys() -> int:
+    """Delete the Idempotency-Keys older than AAP_IDEMPOTENCY_SECONDS (a key the API finds
+    expired is deleted there too: sessions_app.api.idempotency_keys)."""
+    cutoff = timezone.now() - timedelta(seconds=settings.AAP_IDEMPOTENCY_SECONDS)
+    return IdempotencyKey.objects.filter(created_at__lt=cutoff).delete()[0]
+
+
 def sweep_stale_turns() -> int:
     """End every lost turn, forget expired Idempotency-Keys (run periodically); returns how
     many turns were ended. It reads PostgreSQL only: a Redis that is down or full (nothing
     can be published) does not keep the lost turns from being ended."""
-    idempotency_keys.forget_expired()
+    forget_expired_idempotency_keys()
     ended = 0
     for turn_id in Turn.objects.filter(status=Turn.RUNNING).values_list("id", flat=True):
         turn = Turn.objects.filter(id=turn_id).only(*_LIVENESS_FIELDS).first()

@@ -11,12 +11,12 @@ from sessions_app.api.services.validation import (
     answers_for_pending,
     check_images,
     check_stream,
-    effective_options,
     merge_options,
     redacted_options,
     validate_client_tools,
     validate_server_tools,
 )
+from sessions_app.engine.execution import effective_options
 
 CLOCK = {"name": "clock", "description": "Current UTC time.", "parameters": {"type": "object"}}
 

@@ -166,17 +166,6 @@ def merge_options(agent: Agent | AgentDefinition, stored: dict, incoming: dict) 
     return merged
 
 
-def effective_options(agent: Agent | AgentDefinition, stored: dict) -> dict[str, str]:
-    """Every declared option's value for the runtime: set value, else default (decrypted)."""
-    values = {}
-    for option in option_rows(agent):
-        if option.name in stored:
-            values[option.name] = crypto.decrypt(stored[option.name]) if option.is_secret else stored[option.name]
-        else:
-            values[option.name] = option.default_value()
-    return values
-
-
 def redacted_options(agent: Agent | AgentDefinition, stored: dict) -> dict[str, str]:
     secret = {o.name for o in option_rows(agent) if o.is_secret}
     return {name: (crypto.REDACTED if name in secret else value) for name, value in stored.items()}
