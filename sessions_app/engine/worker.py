@@ -35,7 +35,7 @@ from . import execution, recovery, schedule_store, turn_store
 
 logger = logging.getLogger(__name__)
 
-# How often a worker process sweeps for lost turns (services.recovery.sweep_unless_running).
+# How often a worker process sweeps for lost turns (recovery.sweep_unless_running).
 SWEEP_SECONDS = 10.0
 
 
