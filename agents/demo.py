@@ -16,8 +16,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from hosting.models import ApiToken, Tenant, hash_token
-from hosting.services import token_create
+from tenancy.models import ApiToken, Tenant, hash_token
+from tenancy.services import token_create
 
 from .models import Agent
 from .services import ECHO_AGENT, agents_apply

@@ -16,7 +16,7 @@ from django import forms
 from django.core.exceptions import ValidationError
 from django.utils.html import format_html, format_html_join
 
-from hosting import crypto
+from infra import crypto
 
 from .models import Agent, AgentOption, ServerTool
 from .runtimes import RUNTIME_KINDS, runtime_class

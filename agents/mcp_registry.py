@@ -33,8 +33,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from hosting import crypto
-from hosting import process as host_process
+from infra import crypto
+from infra import process as host_process
 
 from .runtimes.acp_bridge import sandbox, workspace
 from .runtimes.mcp_config import Server, servers_of, tool_name

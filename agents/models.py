@@ -8,7 +8,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import RegexValidator
 from django.db import models
 
-from hosting import crypto
+from infra import crypto
 
 from . import tools as host_tools
 from .runtimes import kind_choices, runtime_class

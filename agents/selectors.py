@@ -11,7 +11,7 @@ from typing import Any
 
 from django.db.models import Prefetch
 
-from hosting import crypto
+from infra import crypto
 
 from . import mcp_registry as registry
 from .models import Agent, AgentOption, ServerTool

@@ -13,8 +13,8 @@ import os
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
-from hosting import crypto
-from hosting.models import Tenant
+from infra import crypto
+from tenancy.models import Tenant
 
 from .models import Agent, AgentOption, ServerTool
 from .runtimes import RUNTIME_KINDS
@@ -229,7 +229,7 @@ def _load(path: str):
 
 # --- the `tenants:` section: tenants and their limits ------------------------------------------
 
-# The file's names for hosting.models.LIMIT_FIELDS (null: the service's default; 0: no limit).
+# The file's names for tenancy.models.LIMIT_FIELDS (null: the service's default; 0: no limit).
 TENANT_LIMIT_KEYS = {
     "maxRunningTurns": "max_running_turns",
     "maxQueuedTurns": "max_queued_turns",

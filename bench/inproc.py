@@ -1,6 +1,6 @@
 """The same echo turn without HTTP and without the queue, in this process (scenario 2's reference).
 
-    python -m bench.inproc host SECONDS      sessions_app.host.execute(plan) on an in-memory event
+    python -m bench.inproc host SECONDS      sessions_app.engine.host.execute(plan) on an in-memory event
                                              stream: the runtime plus the host's own work
                                              (publishing, stream-mode shaping, fold, lease, cancel check)
     python -m bench.inproc services SECONDS  turns.turn_start + execution.turn_execute against
@@ -60,7 +60,7 @@ def _timed(run_one, seconds: float) -> dict:
 
 def run_host(seconds: float) -> dict:
     from agents.runtimes.echo import EchoRuntime
-    from sessions_app import events, host
+    from sessions_app.engine import events, host
 
     backend = events.backend()
     loop = asyncio.new_event_loop()
@@ -89,7 +89,7 @@ def run_host(seconds: float) -> dict:
         outcome = loop.run_until_complete(host.execute(plan))
         if outcome.stop_reason != "end_turn":
             raise RuntimeError(f"stop reason {outcome.stop_reason}")
-        # What services.endings.publish_stop adds after persistence.
+        # What endings.publish_stop adds after persistence.
         backend.publish_sync(
             turn_id, outcome.last_seq + 1, {"event": "turn_stop", "stopReason": "end_turn"}, final=True
         )
@@ -107,9 +107,9 @@ def run_services(seconds: float) -> dict:
     from django.conf import settings
     from django.utils import timezone
 
-    from hosting.models import Tenant
-    from sessions_app import schedule_store
-    from sessions_app.services import execution, sessions, turns
+    from sessions_app.api.services import sessions, turns
+    from sessions_app.engine import execution, schedule_store
+    from tenancy.models import Tenant
 
     # A queue of its own: the stack's workers neither hear of these turns nor claim them; each
     # is claimed and run here.

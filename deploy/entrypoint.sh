@@ -64,7 +64,7 @@ agents_file_from_example() {
 
 first_tenant() {
     local name=${AAP_FIRST_TENANT:-main}
-    if AAP_TENANT_NAME=$name manage shell -v 0 -c "import os, sys; from hosting.models import Tenant; sys.exit(0 if Tenant.objects.filter(name=os.environ['AAP_TENANT_NAME']).exists() else 1)"; then
+    if AAP_TENANT_NAME=$name manage shell -v 0 -c "import os, sys; from tenancy.models import Tenant; sys.exit(0 if Tenant.objects.filter(name=os.environ['AAP_TENANT_NAME']).exists() else 1)"; then
         say "first-run: tenant '$name' exists; its token was printed when it was created."
         say "first-run: another token: docker compose run --rm init python manage.py create_token $name"
         return
@@ -85,8 +85,8 @@ case "$role" in
     web)
         shift
         pool_max $(( ${AAP_WEB_THREADS:-16} + 4 ))
-        # Daphne, its access lines through logging (JSON, no query string: hosting/webserver.py).
-        exec "$PYTHON" -m hosting.webserver -b "${BIND_ADDRESS:-0.0.0.0}" -p "${PORT:-8000}" "$@" hosting.asgi:application
+        # Daphne, its access lines through logging (JSON, no query string: infra/webserver.py).
+        exec "$PYTHON" -m infra.webserver -b "${BIND_ADDRESS:-0.0.0.0}" -p "${PORT:-8000}" "$@" hosting.asgi:application
         ;;
     worker)
         shift

@@ -1,6 +1,6 @@
 """ASGI entry point: Channels' protocol router in front of Django, served by Daphne.
 
-HTTP goes to Django: `/v1/` (the AAP API) and `/v2/` (its v2-era surface) through hosting.handlers.ApiHandler (async
+HTTP goes to Django: `/v1/` (the AAP API) and `/v2/` (its v2-era surface) through infra.handlers.ApiHandler (async
 middleware, views on a shared thread pool), the rest (admin, static, health) through the
 stock handler. A turn's stream is handed off by its view to TurnStreamHandoff, which
 writes it from the event loop (no thread and no database connection per open stream);
@@ -17,9 +17,9 @@ from django.core.asgi import get_asgi_application
 
 django_asgi = get_asgi_application()
 
-from hosting.handlers import ApiHandler, PathRouter  # noqa: E402
-from sessions_app.streaming import TurnStreamHandoff  # noqa: E402  (needs Django set up)
-from sessions_app.v2.stream import V2TurnShaper  # noqa: E402
+from infra.handlers import ApiHandler, PathRouter  # noqa: E402
+from sessions_app.api.v2.stream import V2TurnShaper  # noqa: E402
+from sessions_app.engine.streaming import TurnStreamHandoff  # noqa: E402  (needs Django set up)
 
 application = ProtocolTypeRouter(
     {"http": V2TurnShaper(TurnStreamHandoff(ASGIStaticFilesHandler(PathRouter(ApiHandler(), django_asgi))))}
@@ -39,11 +39,11 @@ def _let_django_read_bodies() -> None:
 
 _let_django_read_bodies()
 
-from hosting import server_limits  # noqa: E402
+from infra import server_limits  # noqa: E402
 
 # Body size and slow-client limits at the HTTP layer, before authentication or any view.
 server_limits.install()
 
-from hosting.process import freeze_startup_heap  # noqa: E402
+from infra.process import freeze_startup_heap  # noqa: E402
 
 freeze_startup_heap()

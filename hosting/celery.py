@@ -4,8 +4,8 @@ import os
 from celery import Celery
 from celery.signals import celeryd_after_setup, worker_ready, worker_shutdown, worker_shutting_down
 
-from . import process
-from .process import freeze_startup_heap
+from infra import process
+from infra.process import freeze_startup_heap
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hosting.settings")
 
@@ -34,7 +34,7 @@ def _load_runtimes(**kwargs):
         except Exception:  # the worker starts without it; its turns fail, saying so
             logging.getLogger(__name__).warning("runtime kind %s cannot be loaded", kind, exc_info=True)
     freeze_startup_heap()
-    from sessions_app import worker
+    from sessions_app.engine import worker
 
     # Ready for turns: its threads take them from PostgreSQL.
     worker.start_worker(process.worker_node, process.worker_concurrency)
@@ -42,7 +42,7 @@ def _load_runtimes(**kwargs):
 
 @worker_shutting_down.connect
 def _stop_serving(**kwargs):
-    from sessions_app import worker
+    from sessions_app.engine import worker
 
     worker.stop_worker()
 
@@ -52,7 +52,7 @@ def _stop_runtimes(**kwargs):
     # After the warm shutdown let the running turns end: agent processes (ACP) stop the way
     # they expect, stdin closed and time to save their sessions, for the next worker to load.
     from agents.runtimes import shutdown_all
-    from sessions_app import worker
+    from sessions_app.engine import worker
 
     worker.drain_worker()
     shutdown_all()

@@ -8,7 +8,7 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
 
 class BearerTokenScheme(OpenApiAuthenticationExtension):
-    target_class = "hosting.authentication.BearerTokenAuthentication"
+    target_class = "tenancy.authentication.BearerTokenAuthentication"
     name = "bearerAuth"
 
     def get_security_definition(self, auto_schema):
@@ -16,7 +16,7 @@ class BearerTokenScheme(OpenApiAuthenticationExtension):
 
 
 class EventsTicketScheme(OpenApiAuthenticationExtension):
-    target_class = "hosting.authentication.EventsTicketAuthentication"
+    target_class = "tenancy.authentication.EventsTicketAuthentication"
     name = "eventsTicket"
 
     def get_security_definition(self, auto_schema):
@@ -167,8 +167,8 @@ META_PROPERTY = {"type": "object", "additionalProperties": True, "description": 
 
 def postprocess(result, generator, request, public):
     """SPECTACULAR_SETTINGS["POSTPROCESSING_HOOKS"]: complete the generated document."""
+    from sessions_app.api.v2.shapes import WIRE_SCHEMAS as V2_WIRE_SCHEMAS
     from sessions_app.protocol import WIRE_SCHEMAS
-    from sessions_app.v2.shapes import WIRE_SCHEMAS as V2_WIRE_SCHEMAS
 
     schemas = result.setdefault("components", {}).setdefault("schemas", {})
     for name, schema in schemas.items():

@@ -104,16 +104,17 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "channels",
     "axes",
-    "hosting",
+    "infra",
+    "tenancy",
     "agents",
     "sessions_app",
 ]
 
 MIDDLEWARE = [
-    "hosting.middleware.HostValidationMiddleware",
+    "infra.middleware.HostValidationMiddleware",
     "django.middleware.security.SecurityMiddleware",
-    "hosting.middleware.ContentSecurityPolicyMiddleware",
-    "hosting.errors.BodyLimitMiddleware",
+    "infra.middleware.ContentSecurityPolicyMiddleware",
+    "infra.errors.BodyLimitMiddleware",
     "corsheaders.middleware.CorsMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -132,16 +133,16 @@ AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_VERBOSE = False
 
-# The AAP API's chain (hosting.handlers.ApiHandler): async-native, no sessions or CSRF
+# The AAP API's chain (infra.handlers.ApiHandler): async-native, no sessions or CSRF
 # (the API authenticates with bearer tokens); the admin keeps MIDDLEWARE.
 AAP_API_MIDDLEWARE = [
-    "hosting.middleware.HostValidationMiddleware",
-    "hosting.handlers.AsyncSecurityMiddleware",
-    "hosting.middleware.ContentSecurityPolicyMiddleware",
-    "hosting.errors.BodyLimitMiddleware",
+    "infra.middleware.HostValidationMiddleware",
+    "infra.handlers.AsyncSecurityMiddleware",
+    "infra.middleware.ContentSecurityPolicyMiddleware",
+    "infra.errors.BodyLimitMiddleware",
     "corsheaders.middleware.CorsMiddleware",
-    "hosting.handlers.AsyncXFrameOptionsMiddleware",
-    "hosting.limits.RateLimitHeadersMiddleware",
+    "infra.handlers.AsyncXFrameOptionsMiddleware",
+    "infra.limits.RateLimitHeadersMiddleware",
 ]
 
 ROOT_URLCONF = "hosting.urls"
@@ -163,7 +164,7 @@ TEMPLATES = [
 ]
 
 # --- Database -------------------------------------------------------------------------
-# Threads of a web process for API views and liveness checks (hosting.handlers); keep it at
+# Threads of a web process for API views and liveness checks (infra.handlers); keep it at
 # or under DATABASE_POOL_MAX so a view rarely waits for a connection.
 AAP_WEB_THREADS = env_int("AAP_WEB_THREADS", 16)
 DATABASE_URL = os.environ.get("DATABASE_URL", "")
@@ -174,8 +175,8 @@ if DATABASE_URL:
         # connections are never reused: a pool per process serves web and worker threads.
         # A pooled connection that sat idle is checked before it is handed out: after a
         # PostgreSQL restart the dead ones are replaced instead of failing a request or a
-        # turn (hosting/postgres: the check is skipped for one returned moments ago).
-        DATABASES["default"]["ENGINE"] = "hosting.postgres"
+        # turn (infra/postgres: the check is skipped for one returned moments ago).
+        DATABASES["default"]["ENGINE"] = "infra.postgres"
         DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
             "min_size": env_int("DATABASE_POOL_MIN", 1),
             "max_size": env_int("DATABASE_POOL_MAX", 20),
@@ -222,7 +223,7 @@ REDIS_POOL_MAX = env_int("REDIS_POOL_MAX", 50)
 CELERY_BROKER_URL = REDIS_URL or "memory://"
 CELERY_TASK_IGNORE_RESULT = True
 # Celery carries no turn: turns wait in PostgreSQL, and workers hear of them there
-# (sessions_app.worker). What it carries (an MCP server listing, a wake-up where the
+# (sessions_app.engine.worker). What it carries (an MCP server listing, a wake-up where the
 # database is SQLite, beat's sweep) is safe to lose or to run twice; a message leaves Redis
 # when a worker takes it, so Kombu's Redis ack emulation is off.
 CELERY_TASK_ACKS_LATE = True
@@ -247,7 +248,7 @@ AAP_PUBLIC_META = env_bool("AAP_PUBLIC_META", True)
 # Largest request body accepted, in bytes (413 beyond it).
 AAP_MAX_BODY_BYTES = env_int("AAP_MAX_BODY_BYTES", 10 * 1024 * 1024)
 # Requests refused by their size in items before any per-message validation, and from 64 KiB
-# before the body is parsed into Python objects (sessions_app/services/validation:
+# before the body is parsed into Python objects (sessions_app/api/services/validation:
 # check_body_size, check_request_size): a body under the byte limit can still hold 200,000
 # tiny messages.
 AAP_MAX_TURN_MESSAGES = env_int("AAP_MAX_TURN_MESSAGES", 256)
@@ -259,7 +260,7 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = AAP_MAX_BODY_BYTES
 AAP_REQUEST_HEADERS_TIMEOUT_SECONDS = env_float("AAP_REQUEST_HEADERS_TIMEOUT_SECONDS", 10.0)
 AAP_REQUEST_BODY_TIMEOUT_SECONDS = env_float("AAP_REQUEST_BODY_TIMEOUT_SECONDS", 60.0)
 # A response waits this long for a client that reads nothing (its socket buffer full),
-# then the connection is dropped (a stream's client re-attaches; hosting/server_limits).
+# then the connection is dropped (a stream's client re-attaches; infra/server_limits).
 AAP_RESPONSE_STALL_SECONDS = env_float("AAP_RESPONSE_STALL_SECONDS", 60.0)
 # How long a turn's events can be replayed after it ends.
 AAP_EVENT_RETENTION_SECONDS = env_int("AAP_EVENT_RETENTION_SECONDS", 3600)
@@ -284,7 +285,7 @@ AAP_TURN_PIN_SECONDS = env_float("AAP_TURN_PIN_SECONDS", 30.0)
 AAP_STREAM_RETRY_SECONDS = env_float("AAP_STREAM_RETRY_SECONDS", 30.0)
 # How long a worker retries its claim or finish of a turn while PostgreSQL is unreachable.
 AAP_DB_RETRY_SECONDS = env_float("AAP_DB_RETRY_SECONDS", 60.0)
-# A pooled connection idle this long is checked before use (hosting/postgres).
+# A pooled connection idle this long is checked before use (infra/postgres).
 AAP_DB_CHECK_IDLE_SECONDS = env_float("AAP_DB_CHECK_IDLE_SECONDS", 1.0)
 # How long an Idempotency-Key is remembered.
 AAP_IDEMPOTENCY_SECONDS = env_int("AAP_IDEMPOTENCY_SECONDS", 24 * 3600)
@@ -313,7 +314,7 @@ if AAP_SANDBOX_MODE not in ("auto", "namespaces", "fallback"):
 # A delegated cgroup v2 directory for the units' cgroups ("" = find one; "off" = none).
 AAP_SANDBOX_CGROUP = os.environ.get("AAP_SANDBOX_CGROUP", "")
 
-# Per-tenant limits (sessions_app.admission): defaults for tenants that set none; 0 = no limit.
+# Per-tenant limits (sessions_app.api.admission): defaults for tenants that set none; 0 = no limit.
 AAP_TENANT_MAX_RUNNING_TURNS = env_int("AAP_TENANT_MAX_RUNNING_TURNS", 16)
 AAP_TENANT_MAX_QUEUED_TURNS = env_int("AAP_TENANT_MAX_QUEUED_TURNS", 64)
 AAP_TENANT_TURNS_PER_MINUTE = env_int("AAP_TENANT_TURNS_PER_MINUTE", 600)
@@ -326,7 +327,7 @@ AAP_AUTH_FAILURES_PER_MINUTE = env_int("AAP_AUTH_FAILURES_PER_MINUTE", 30)
 # Seconds a process remembers a token it found active (0: look it up on every request): a
 # revoked token, a disabled tenant or changed tenant limits reach new requests within this bound.
 AAP_AUTH_CACHE_SECONDS = env_float("AAP_AUTH_CACHE_SECONDS", 5.0)
-# Per-turn output bounds (sessions_app.turn_output): stream entries and text bytes.
+# Per-turn output bounds (sessions_app.engine.turn_output): stream entries and text bytes.
 AAP_TURN_MAX_EVENTS = env_int("AAP_TURN_MAX_EVENTS", 10000)
 AAP_TURN_MAX_OUTPUT_BYTES = env_int("AAP_TURN_MAX_OUTPUT_BYTES", 4 * 1024 * 1024)
 # While a turn's events wait for Redis, tiny deltas join for up to this long into one entry;
@@ -335,12 +336,12 @@ AAP_TURN_COALESCE_SECONDS = env_float("AAP_TURN_COALESCE_SECONDS", 0.02)
 
 # --- DRF and the OpenAPI document --------------------------------------------------------
 REST_FRAMEWORK = {
-    "DEFAULT_AUTHENTICATION_CLASSES": ["hosting.authentication.BearerTokenAuthentication"],
-    "DEFAULT_PERMISSION_CLASSES": ["hosting.authentication.IsTenant"],
-    "DEFAULT_PARSER_CLASSES": ["hosting.errors.LimitedJSONParser"],
+    "DEFAULT_AUTHENTICATION_CLASSES": ["tenancy.authentication.BearerTokenAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["tenancy.authentication.IsTenant"],
+    "DEFAULT_PARSER_CLASSES": ["infra.errors.LimitedJSONParser"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "hosting.negotiation.ProtocolContentNegotiation",
-    "EXCEPTION_HANDLER": "hosting.errors.exception_handler",
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "infra.negotiation.ProtocolContentNegotiation",
+    "EXCEPTION_HANDLER": "infra.errors.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
 }
@@ -373,20 +374,20 @@ USE_TZ = True
 
 # --- Logging: never a secret, never a request body ---------------------------------------
 # JSON lines (LOG_FORMAT=plain: text) with the tenant, session and turn ids of the work at
-# hand (hosting/logs.py); Celery's lines about the routine sweep are at DEBUG.
+# hand (infra/logs.py); Celery's lines about the routine sweep are at DEBUG.
 LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").upper()
 LOG_FORMAT = os.environ.get("LOG_FORMAT", "json").strip().lower()
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {
-        "json": {"()": "hosting.logs.json_formatter"},
-        "plain": {"()": "hosting.logs.PlainFormatter", "format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+        "json": {"()": "infra.logs.json_formatter"},
+        "plain": {"()": "infra.logs.PlainFormatter", "format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
     },
     "filters": {
-        "ids": {"()": "hosting.logs.ContextFilter"},
-        "routine": {"()": "hosting.logs.RoutineTaskFilter"},
-        "task_failures": {"()": "hosting.logs.TaskFailureFilter"},
+        "ids": {"()": "infra.logs.ContextFilter"},
+        "routine": {"()": "infra.logs.RoutineTaskFilter"},
+        "task_failures": {"()": "infra.logs.TaskFailureFilter"},
     },
     "handlers": {
         "console": {
@@ -424,8 +425,8 @@ if AAP_METRICS != "off":
     # prometheus_client's multiprocess mode: every web and worker process of a host writes here.
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(VAR_DIR / "metrics"))
     Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
-    MIDDLEWARE = ["hosting.metrics.RequestMetricsMiddleware", *MIDDLEWARE]
-    AAP_API_MIDDLEWARE = ["hosting.metrics.RequestMetricsMiddleware", *AAP_API_MIDDLEWARE]
+    MIDDLEWARE = ["infra.metrics.RequestMetricsMiddleware", *MIDDLEWARE]
+    AAP_API_MIDDLEWARE = ["infra.metrics.RequestMetricsMiddleware", *AAP_API_MIDDLEWARE]
 # Traces are opt-in with the standard OTEL_* variables: without an OTLP endpoint nothing is set up.
 AAP_TRACING = (
     bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
@@ -433,7 +434,7 @@ AAP_TRACING = (
     and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none"
 )
 if AAP_TRACING:
-    MIDDLEWARE = ["hosting.tracing.TracingMiddleware", *MIDDLEWARE]
-    AAP_API_MIDDLEWARE = ["hosting.tracing.TracingMiddleware", *AAP_API_MIDDLEWARE]
+    MIDDLEWARE = ["infra.tracing.TracingMiddleware", *MIDDLEWARE]
+    AAP_API_MIDDLEWARE = ["infra.tracing.TracingMiddleware", *AAP_API_MIDDLEWARE]
 # The /try/ chat page (a browser client of the public API); off unless enabled.
 AAP_TRY_PAGE = env_bool("AAP_TRY_PAGE", False)

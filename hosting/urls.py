@@ -2,13 +2,14 @@ from django.contrib import admin
 from django.urls import path, re_path, register_converter
 from drf_spectacular.views import SpectacularJSONAPIView, SpectacularSwaggerSplitView
 
+from infra import metrics
+from infra.views import healthz
 from sessions_app import usage_admin
-from sessions_app import views as aap
-from sessions_app.playground import views as playground
-from sessions_app.v2 import views as aap_v2
+from sessions_app.api import views as aap
+from sessions_app.api.playground import views as playground
+from sessions_app.api.v2 import views as aap_v2
 
-from . import metrics
-from .views import healthz
+from . import openapi  # noqa: F401  (registers the bearer scheme of the OpenAPI document)
 
 
 class IdConverter:
@@ -71,7 +72,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
 ]
 
-handler400 = "hosting.errors.handler400"
-handler403 = "hosting.errors.handler403"
-handler404 = "hosting.errors.handler404"
-handler500 = "hosting.errors.handler500"
+handler400 = "infra.errors.handler400"
+handler403 = "infra.errors.handler403"
+handler404 = "infra.errors.handler404"
+handler500 = "infra.errors.handler500"

@@ -141,7 +141,7 @@ if [[ -n "${REDIS_URL:-}" ]]; then
 else
     say "no REDIS_URL: embedded mode, turns run inside the web process"
 fi
-start daphne "$BIN/python" -m hosting.webserver -b "$HOST" -p "$PORT" hosting.asgi:application
+start daphne "$BIN/python" -m infra.webserver -b "$HOST" -p "$PORT" hosting.asgi:application
 say "serving on $BASE_URL (Ctrl-C to stop)"
 
 # Whichever exits first (a crash, a port in use) takes the others down with it.

@@ -105,7 +105,7 @@ class SessionAdmin(admin.ModelAdmin):
 
     @admin.display(description="options")
     def redacted_options(self, obj):
-        from .services.validation import redacted_options
+        from .api.services.validation import redacted_options
 
         return redacted_options(obj.agent, obj.options)
 

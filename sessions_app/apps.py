@@ -6,8 +6,8 @@ class SessionsAppConfig(AppConfig):
     verbose_name = "AAP sessions"
 
     def ready(self) -> None:
-        from hosting import metrics
+        from infra import metrics
 
-        from .queue_metrics import QueueCollector
+        from .engine.queue_metrics import QueueCollector
 
         metrics.register_collector(QueueCollector())

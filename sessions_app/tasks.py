@@ -2,9 +2,8 @@
 
 from celery import shared_task
 
-from . import worker
-from .dispatch import WAKE
-from .services import recovery
+from .engine import recovery, worker
+from .engine.dispatch import WAKE
 
 
 @shared_task(name=WAKE, ignore_result=True)

@@ -4,9 +4,9 @@ and turn time over a date range — the numbers tenants read from GET /v1/usage.
 from django.contrib import admin
 from django.template.response import TemplateResponse
 
-from hosting.service_errors import BadRequest
+from infra.service_errors import BadRequest
 
-from . import selectors
+from .api import selectors
 
 
 def usage_view(request):

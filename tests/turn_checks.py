@@ -97,7 +97,7 @@ def deltas(result: TurnResult, kind: str = "text") -> list[str]:
 
 def assert_deltas(result: TurnResult, pieces: list[str], kind: str = "text") -> None:
     """The stream's deltas are `pieces`, one each; on a loaded machine the worker may join
-    consecutive ones (its backpressure, sessions_app.host._Publisher), never split, drop or
+    consecutive ones (its backpressure, sessions_app.engine.host._Publisher), never split, drop or
     reorder them."""
     got = deltas(result, kind)
     assert "".join(got) == "".join(pieces), (got, pieces)

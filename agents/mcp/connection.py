@@ -30,7 +30,7 @@ from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 from mcp_types import CONNECTION_CLOSED
 
-from hosting import logs
+from infra import logs
 
 from ..netguard import AddressRefused, GuardedTransport, checked_address
 from ..runtimes.acp_bridge import limits, sandbox

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from django.conf import settings
 
-from hosting import logs
+from infra import logs
 
 from ..runtimes.acp_bridge import limits, routing
 from .connection import Connection

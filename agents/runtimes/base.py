@@ -2,7 +2,7 @@
 
 A runtime turns a turn's incoming messages into AAP events through `ctx.emit` and returns
 its stop reason. It speaks in AAP messages and events only, never in HTTP or database rows.
-The host (sessions_app.host) does what is the same for every runtime: stream-mode shaping,
+The host (sessions_app.engine.host) does what is the same for every runtime: stream-mode shaping,
 folding events into messages, persistence, permissions, server tool execution and turning
 exceptions into `turn_stop` `error`.
 """

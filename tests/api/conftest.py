@@ -54,7 +54,7 @@ API_TENANT = "api-tier"
 @pytest.fixture
 def token(db) -> str:
     from agents.services import ECHO_AGENT, agents_apply
-    from hosting.services import tenant_create
+    from tenancy.services import tenant_create
 
     agents_apply([ECHO_AGENT])
     _, raw = tenant_create(name=API_TENANT)

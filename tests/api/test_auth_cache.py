@@ -12,9 +12,9 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext, override_settings
 from django.utils import timezone
 
-from hosting import authentication
-from hosting.authentication import tenant_for_raw_token
-from hosting.models import ApiToken, Tenant
+from tenancy import authentication
+from tenancy.authentication import tenant_for_raw_token
+from tenancy.models import ApiToken, Tenant
 
 pytestmark = pytest.mark.django_db
 

@@ -10,10 +10,10 @@ from django.core.management import call_command
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from hosting.models import Tenant
-from sessions_app import turn_store
+from sessions_app.api.services.sessions import session_create
+from sessions_app.engine import turn_store
 from sessions_app.models import Session
-from sessions_app.services.sessions import session_create
+from tenancy.models import Tenant
 
 pytestmark = pytest.mark.django_db
 
@@ -40,7 +40,7 @@ def _claim_mine(mine: set[str]):
 
     from django.utils import timezone
 
-    from sessions_app import schedule_store
+    from sessions_app.engine import schedule_store
 
     for _ in range(1000):
         with CaptureQueriesContext(connection) as queries:

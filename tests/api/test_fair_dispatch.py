@@ -13,7 +13,7 @@ pytestmark = pytest.mark.django_db
 
 
 def _tenant(weight: int = 1):
-    from hosting.models import Tenant
+    from tenancy.models import Tenant
 
     return Tenant.objects.create(name=f"fair-{uuid.uuid4().hex[:8]}", weight=weight)
 
@@ -33,7 +33,7 @@ def _turns(tenant, count: int, *, running: bool = False, node: str = "") -> list
 
 
 def _order(*groups: list[str]) -> list[str]:
-    from sessions_app import schedule_store
+    from sessions_app.engine import schedule_store
 
     mine = {turn_id for group in groups for turn_id in group}
     return [turn_id for turn_id, _ in schedule_store.fair_order(100_000, 0) if turn_id in mine]
@@ -67,7 +67,7 @@ def test_turns_in_flight_count_against_their_tenant():
 
 
 def test_a_turn_waiting_for_a_full_pool_knows_its_place(monkeypatch):
-    from sessions_app import dispatch, schedule_store
+    from sessions_app.engine import dispatch, schedule_store
 
     busy, quiet = _tenant(), _tenant()
     _turns(busy, 4, running=True)
@@ -87,7 +87,7 @@ def test_a_turn_waiting_for_a_full_pool_knows_its_place(monkeypatch):
 
 def test_the_declarative_file_sets_a_tenants_weight():
     from agents.services import AgentFileError, registry_apply
-    from hosting.models import Tenant
+    from tenancy.models import Tenant
 
     name = f"fair-{uuid.uuid4().hex[:8]}"
     registry_apply({"tenants": [{"name": name, "weight": 4, "limits": {"maxRunningTurns": 2}}]})
@@ -117,7 +117,7 @@ def test_the_client_tells_waiting_from_running():
 
 
 def test_a_tenant_never_runs_more_turns_at_once_than_its_limit(settings):
-    from sessions_app import schedule_store
+    from sessions_app.engine import schedule_store
 
     settings.AAP_TENANT_MAX_RUNNING_TURNS = 0
     capped, free = _tenant(), _tenant()
@@ -147,7 +147,7 @@ def _taken_in_order(mine: list[str], count: int, node: str = "node-a", *, pin_se
 
     from django.utils import timezone
 
-    from sessions_app import schedule_store
+    from sessions_app.engine import schedule_store
 
     taken: list[str] = []
     pinned_before = timezone.now() - timedelta(seconds=pin_seconds)
@@ -201,7 +201,7 @@ def test_a_pinned_turn_goes_to_its_worker_until_its_pin_expires():
 
 
 def test_the_statement_ending_a_turn_says_whether_others_wait():
-    from sessions_app import turn_store
+    from sessions_app.engine import turn_store
 
     tenant = _tenant()
     (running,) = _turns(tenant, 1, running=True)

@@ -12,12 +12,12 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from agents.runtimes.base import Compaction
-from hosting.models import Tenant
-from sessions_app import turn_store
+from sessions_app.api.services.sessions import session_create
+from sessions_app.engine import turn_store
+from sessions_app.engine.history import apply_compaction
+from sessions_app.engine.kept_history import KeptHistories
 from sessions_app.models import Message, Session
-from sessions_app.services.history import apply_compaction
-from sessions_app.services.kept_history import KeptHistories
-from sessions_app.services.sessions import session_create
+from tenancy.models import Tenant
 
 pytestmark = pytest.mark.django_db
 

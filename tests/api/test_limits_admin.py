@@ -12,8 +12,8 @@ def fast_hasher(settings):
 
 
 def test_tenant_limits_are_edited_in_admin(admin_client):
-    from hosting.limits import limits_for
-    from hosting.models import Tenant
+    from infra.limits import limits_for
+    from tenancy.models import Tenant
 
     tenant = Tenant.objects.create(name="admin-limits")
     page = admin_client.get(f"/admin/hosting/tenant/{tenant.pk}/change/").content.decode()

@@ -103,7 +103,7 @@ def test_the_web_never_starts_a_stdio_server_a_worker_lists_it(api, settings, mo
     from agents.runtimes.acp_bridge import process, sandbox
     from agents.services import agents_apply, mcp_refresh
     from agents.tasks import list_mcp_tools
-    from hosting import process as host_process
+    from infra import process as host_process
     from tests.support import ROOT
 
     settings.REDIS_URL = settings.REDIS_URL or "redis://127.0.0.1:6379/0"  # nothing is sent there: see below

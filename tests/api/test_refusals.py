@@ -38,8 +38,8 @@ def test_a_request_without_a_valid_token_is_a_401(anonymous, method, path, autho
 
 
 def test_a_revoked_token_is_a_401(api):
-    from hosting.models import ApiToken
-    from hosting.services import token_revoke
+    from tenancy.models import ApiToken
+    from tenancy.services import token_revoke
 
     assert api.get("/v1/sessions").status_code == 200
     token_revoke(prefix=ApiToken.objects.get(tenant__name="api-tier").prefix)

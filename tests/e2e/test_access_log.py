@@ -1,4 +1,4 @@
-"""The web process's access log (hosting/webserver.py, the compose web role's server): one
+"""The web process's access log (infra/webserver.py, the compose web role's server): one
 JSON line per response with the route and the status, never the query string — where events
 tickets travel — and health probes only at DEBUG."""
 
@@ -39,7 +39,7 @@ def web(django_db_setup, django_db_blocker, tmp_path):
             [
                 str(BIN / "python"),
                 "-m",
-                "hosting.webserver",
+                "infra.webserver",
                 "-b",
                 "127.0.0.1",
                 "-p",

@@ -73,7 +73,7 @@ def test_scaling_workers_stays_under_postgres_max_connections(shims):
 
 def test_json_logs_have_no_banner_and_the_web_role_logs_access_through_logging(shims):
     web = entrypoint_says(shims, "web")
-    assert "args=-m hosting.webserver -b 0.0.0.0 -p 8000 hosting.asgi:application" in web
+    assert "args=-m infra.webserver -b 0.0.0.0 -p 8000 hosting.asgi:application" in web
     for role in ("worker", "beat"):
         assert "args=-A hosting --quiet " in entrypoint_says(shims, role), role
         assert "--quiet" not in entrypoint_says(shims, role, LOG_FORMAT="plain"), role
@@ -301,7 +301,7 @@ def test_init_seeds_the_demo_on_request_without_printing_a_token(deployment):
         "-v",
         "0",
         "-c",
-        "from hosting.models import ApiToken, Tenant;"
+        "from tenancy.models import ApiToken, Tenant;"
         "print(Tenant.objects.filter(name='demo').count(), ApiToken.objects.filter(tenant__name='demo').count())",
     )
     assert count.stdout.split() == ["1", "0"], count.stderr

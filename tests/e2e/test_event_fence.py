@@ -10,10 +10,10 @@ import uuid
 
 import pytest
 
-from hosting.redis_connections import RedisConnections
-from sessions_app.events import StreamEnded
-from sessions_app.events.memory import MemoryEvents
-from sessions_app.events.redis import RedisEvents
+from infra.redis_connections import RedisConnections
+from sessions_app.engine.events import StreamEnded
+from sessions_app.engine.events.memory import MemoryEvents
+from sessions_app.engine.events.redis import RedisEvents
 
 START = {"event": "turn_start"}
 DELTA = {"event": "text_delta", "delta": "a"}

@@ -364,9 +364,9 @@ def test_usage_is_summed_on_the_turn_the_session_and_the_tenant(fake, pg_stack, 
     from django.contrib import admin
     from django.test import RequestFactory
 
-    from hosting.admin import TenantAdmin
-    from hosting.models import Tenant
     from sessions_app.models import Session, Turn
+    from tenancy.admin import TenantAdmin
+    from tenancy.models import Tenant
 
     token = pg_stack.manage("create_tenant", "llm-usage").strip().splitlines()[-1]
     client = AAP(pg_stack.base_url, token)

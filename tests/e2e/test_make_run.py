@@ -122,7 +122,7 @@ def test_restarting_make_run_keeps_an_admin_edit_and_the_demo_token(make_run):
     assert style["default"] == "upper"
     assert (
         make_run.shell(
-            "from hosting.models import ApiToken; print(ApiToken.objects.active().filter(tenant__name='demo').count())"
+            "from tenancy.models import ApiToken; print(ApiToken.objects.active().filter(tenant__name='demo').count())"
         )
         == "1"
     ), "restarts mint no further demo tokens"

@@ -228,7 +228,7 @@ def test_grafana_dashboard_is_built_on_these_families():
         for target in panel.get("targets", []):
             assert target["datasource"]["uid"] == "${datasource}"
     metrics_source = "".join(
-        (ROOT / path).read_text() for path in ("hosting/metrics.py", "sessions_app/queue_metrics.py")
+        (ROOT / path).read_text() for path in ("infra/metrics.py", "sessions_app/engine/queue_metrics.py")
     )
     import re
 

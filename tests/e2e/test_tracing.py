@@ -103,7 +103,7 @@ def test_one_turn_is_one_trace_across_web_and_worker(traced, collector, fake_llm
 
 PROBE = (
     "import sys, django; django.setup(); "
-    "import hosting.urls, sessions_app.host, agents.runtimes.openai; "
+    "import hosting.urls, sessions_app.engine.host, agents.runtimes.openai; "
     "from hosting.asgi import application; "
     "print(sorted(m for m in ('opentelemetry.sdk.trace', 'opentelemetry.exporter.otlp.proto.http.trace_exporter', "
     "'opentelemetry.instrumentation.celery') if m in sys.modules))"

@@ -40,8 +40,8 @@ SETTINGS = {
 
 def _clear_backends() -> None:
     """Forget the process's Redis-or-memory choices, made once from settings.REDIS_URL."""
-    from hosting import limits, redis_connections
-    from sessions_app import events
+    from infra import limits, redis_connections
+    from sessions_app.engine import events
 
     for chosen in (events.backend, redis_connections.connections, limits.windows):
         chosen.cache_clear()
@@ -99,8 +99,8 @@ class Engine:
 
 
 def _token(name: str) -> str:
-    from hosting.models import Tenant
-    from hosting.services import tenant_create, token_create
+    from tenancy.models import Tenant
+    from tenancy.services import tenant_create, token_create
 
     tenant = Tenant.objects.filter(name=name).first()
     if tenant is None:

@@ -82,7 +82,7 @@ def test_agent_change_page_never_shows_a_stored_secret_default(admin_client, db_
 
 def test_a_secret_default_entered_in_admin_is_encrypted_and_write_only(admin_client, db_access):
     from agents.models import Agent, AgentOption
-    from hosting import crypto
+    from infra import crypto
 
     name = f"t2-admin-{uuid.uuid4().hex[:6]}"
     response = admin_client.post("/admin/agents/agent/add/", agent_form(name, option={"default": ADMIN_SECRET}))
@@ -130,8 +130,8 @@ def test_an_invalid_tool_schema_is_refused_by_the_agent_form(admin_client, db_ac
 
 
 def test_an_api_token_added_in_admin_is_shown_once_and_stored_as_a_hash(admin_client, db_access):
-    from hosting.authentication import tenant_for_raw_token
-    from hosting.models import ApiToken, Tenant
+    from tenancy.authentication import tenant_for_raw_token
+    from tenancy.models import ApiToken, Tenant
 
     demo = Tenant.objects.get(name="demo")
     data = {"tenant": str(demo.pk), "name": "from-admin", "expires_at_0": "", "expires_at_1": "", "_save": "Save"}
@@ -268,8 +268,8 @@ def test_an_openai_agent_without_a_model_is_refused_at_save_time(admin_client, d
 
 
 def test_a_tenant_added_in_admin_gets_a_first_token_shown_once(admin_client, db_access):
-    from hosting.authentication import tenant_for_raw_token
-    from hosting.models import ApiToken, Tenant
+    from tenancy.authentication import tenant_for_raw_token
+    from tenancy.models import ApiToken, Tenant
 
     name = f"t16-tenant-{uuid.uuid4().hex[:6]}"
     response = admin_client.post(

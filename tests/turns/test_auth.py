@@ -122,7 +122,7 @@ def test_revoked_token_is_refused(engine, demo_session, db_access):
 def test_expired_token_is_refused(engine, demo_session, db_access):
     from django.utils import timezone
 
-    from hosting.models import ApiToken
+    from tenancy.models import ApiToken
 
     raw, prefix = new_token("demo", "--expires-in-days", "1")
     expires_at = ApiToken.objects.get(prefix=prefix).expires_at
@@ -135,8 +135,8 @@ def test_expired_token_is_refused(engine, demo_session, db_access):
 
 
 def test_token_of_a_deactivated_tenant_is_refused(engine, db_access):
-    from hosting.models import Tenant
-    from hosting.services import tenant_create
+    from tenancy.models import Tenant
+    from tenancy.services import tenant_create
 
     name = f"t2-inactive-{uuid.uuid4().hex[:8]}"
     _, raw = committed(lambda: tenant_create(name=name))
@@ -146,7 +146,7 @@ def test_token_of_a_deactivated_tenant_is_refused(engine, db_access):
 
 
 def test_last_use_of_a_token_is_recorded(engine, db_access):
-    from hosting.models import ApiToken
+    from tenancy.models import ApiToken
 
     raw, prefix = new_token("demo")
     assert ApiToken.objects.get(prefix=prefix).last_used_at is None

@@ -65,7 +65,7 @@ def test_create_tenant_prints_a_working_token_as_its_last_line(engine):
 
 
 def test_create_token_prints_a_working_token_stored_only_as_a_hash(engine, db_access):
-    from hosting.models import ApiToken
+    from tenancy.models import ApiToken
 
     out = StringIO()
     committed(lambda: call_command("create_token", "other", "--name", "ci", stdout=out))
@@ -96,7 +96,7 @@ def test_token_commands_explain_what_is_wrong(db_access):
 
 def test_seed_demo_is_idempotent_and_prints_a_working_token(client, db_access):
     from agents.models import Agent, AgentOption, ServerTool
-    from hosting.models import Tenant
+    from tenancy.models import Tenant
 
     before = meta(client)["echo"]
     counts = (Tenant.objects.count(), Agent.objects.count(), AgentOption.objects.count(), ServerTool.objects.count())
@@ -226,7 +226,7 @@ def test_apply_agents_from_yaml_and_json_is_idempotent(client, engine, db_access
 
 
 def test_apply_agents_stores_secret_defaults_encrypted(db_access, tmp_path):
-    from hosting import crypto
+    from infra import crypto
 
     call("apply_agents", write(tmp_path, "a.yaml", [ALPHA]))
     stored = stored_secret_default("t2-alpha", "apiKey")

@@ -8,11 +8,11 @@ import logging
 import logging.config
 import time
 
-from hosting.logs import bind_log_context, current_log_context, log_context
+from infra.logs import bind_log_context, current_log_context, log_context
 
 
 def test_lines_about_a_turn_carry_its_ids_and_others_do_not(captured):
-    log = logging.getLogger("sessions_app.host")
+    log = logging.getLogger("sessions_app.engine.host")
     with log_context(turn="turn_abc"):
         bind_log_context(tenant="demo", session="sess_xyz")
         log.warning("server tool %s failed: %s", "clock", "TimeoutError")
@@ -23,7 +23,7 @@ def test_lines_about_a_turn_carry_its_ids_and_others_do_not(captured):
     assert lines[0] == {
         **lines[0],
         "level": "WARNING",
-        "logger": "sessions_app.host",
+        "logger": "sessions_app.engine.host",
         "tenant": "demo",
         "session": "sess_xyz",
         "turn": "turn_abc",
@@ -42,7 +42,7 @@ def test_the_routine_sweep_logs_at_debug_only(captured):
     logging.getLogger("celery.worker.strategy").info("Task sessions_app.tasks.sweep_stale_turns[1f] received")
     logging.getLogger("celery.app.trace").info("Task sessions_app.tasks.sweep_stale_turns[1f] succeeded in 0.01s: 0")
     logging.getLogger("celery.app.trace").info("Task sessions_app.tasks.run_turn[2a] succeeded in 0.2s: None")
-    logging.getLogger("sessions_app.services.recovery").warning("turn turn_q was lost (running); ended with error")
+    logging.getLogger("sessions_app.engine.recovery").warning("turn turn_q was lost (running); ended with error")
     assert [line["message"] for line in captured()] == [
         "Task sessions_app.tasks.run_turn[2a] succeeded in 0.2s: None",
         "turn turn_q was lost (running); ended with error",
@@ -69,7 +69,7 @@ def test_a_code_bug_in_a_service_is_logged_with_its_frames_and_no_secret(demo, c
     """A TypeError inside a service (a code bug, not an outage): the request's boundary logs
     it with the request's ids and a traceback down to the failing frame, without the
     exception's message, which here quotes a secret; the client gets a JSON 500."""
-    from sessions_app.services import sessions
+    from sessions_app.api.services import sessions
 
     secret = "sk-live-" + "5e" * 16
 
@@ -86,7 +86,7 @@ def test_a_code_bug_in_a_service_is_logged_with_its_frames_and_no_secret(demo, c
     assert line["message"] == "unhandled error in SessionsView" and line["tenant"] == "demo"
     trace = line["exc_info"]
     assert trace.startswith("Traceback (most recent call last):")
-    assert "sessions_app/services/sessions.py" in trace and ", in session_create\n" in trace
+    assert "sessions_app/api/services/sessions.py" in trace and ", in session_create\n" in trace
     assert ", in _session_create\n" in trace and "test_logs.py" in trace
     assert trace.endswith("TypeError (message withheld)")
     assert secret not in json.dumps(captured())
@@ -114,6 +114,6 @@ def test_a_code_bug_in_a_turn_is_logged_with_its_ids_frames_and_no_secret(demo, 
     [line] = mine
     assert line["level"] == "ERROR" and line["session"] == session_id and line["tenant"] == "demo"
     trace = line["exc_info"]
-    assert "sessions_app/host.py" in trace and ", in run\n" in trace and "test_logs.py" in trace
+    assert "sessions_app/engine/host.py" in trace and ", in run\n" in trace and "test_logs.py" in trace
     assert trace.endswith("TypeError (message withheld)")
     assert secret not in json.dumps(captured())

@@ -35,7 +35,7 @@ def test_public_meta_lists_only_enabled_agents_open_to_every_tenant(public_meta,
 
 def test_meta_with_a_token_lists_what_that_tenant_may_use(demo, other, db_access):
     from agents.models import Agent
-    from hosting.models import Tenant
+    from tenancy.models import Tenant
 
     for client, tenant in ((demo, "demo"), (other, "other")):
         agents = by_name(client.meta())

@@ -64,7 +64,7 @@ def test_get_and_list_show_secret_options_as_stars(demo, secret_session):
 
 
 def test_secret_option_is_ciphertext_at_rest(secret_session, db_access):
-    from hosting import crypto
+    from infra import crypto
 
     raw = raw_session_options(secret_session)
     assert SECRET not in raw
@@ -109,7 +109,7 @@ def test_stars_at_creation_keep_the_agents_secret_default(demo):
 def test_agent_secret_default_is_ciphertext_at_rest(engine, db_access):
     from django.db import connection
 
-    from hosting import crypto
+    from infra import crypto
 
     with connection.cursor() as cursor:
         cursor.execute(
@@ -180,9 +180,9 @@ def test_rotate_secrets_reencrypts_with_the_new_first_key_and_old_key_can_go(dem
     from django.test import override_settings
 
     from agents.models import AgentOption
-    from hosting.crypto import SecretDecryptionError
+    from infra.crypto import SecretDecryptionError
+    from sessions_app.engine.execution import effective_options
     from sessions_app.models import Session
-    from sessions_app.services.validation import effective_options
 
     session_id = demo.create_session("echo", agent={"options": {"apiKey": "sk-rotate-me"}})
     old_keys = list(settings.HOSTING_ENCRYPTION_KEYS)

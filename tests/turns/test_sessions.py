@@ -314,8 +314,8 @@ def test_another_tenants_session_does_not_exist_for_you(demo, other):
 
 
 def test_tokens_of_one_tenant_share_its_sessions(engine, demo, db_access):
-    from hosting.models import Tenant
-    from hosting.services import token_create
+    from tenancy.models import Tenant
+    from tenancy.services import token_create
 
     _, raw = committed(lambda: token_create(tenant=Tenant.objects.get(name="demo"), name="second"))
     second = engine.client_with(raw)
@@ -344,7 +344,7 @@ def all_session_ids(client, limit: int = 100) -> list[str]:
 @pytest.fixture
 def fresh(engine, django_db_blocker):
     """A client of a tenant of its own, so a listing holds exactly what the test created."""
-    from hosting.services import tenant_create
+    from tenancy.services import tenant_create
 
     with django_db_blocker.unblock():
         _, raw = committed(lambda: tenant_create(name=f"t2-list-{uuid.uuid4().hex[:8]}"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from agents.runtimes.acp_bridge import limits, sandbox
 from agents.runtimes.acp_bridge.process import AgentProcess, ProcessSpec
-from hosting.logs import current_log_context, log_context
+from infra.logs import current_log_context, log_context
 
 
 def process_of(unit: str) -> AgentProcess:

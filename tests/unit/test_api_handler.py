@@ -1,4 +1,4 @@
-"""The API's ASGI handler sends Django's request signals on the event loop (hosting.handlers):
+"""The API's ASGI handler sends Django's request signals on the event loop (infra.handlers):
 that is safe only while their receivers are Django's own, which touch nothing but the
 calling thread's state. A receiver added by an app (a database write, an async receiver)
 must make the handler send them through a thread again."""

@@ -270,7 +270,7 @@ def test_the_worker_logs_in_as_a_role_that_cannot_change_agents():
     assert body.index("manage migrate") < body.index("manage grant_worker_role")
     # What it grants: sessions_app written, agents and tenants read only (but the tools their
     # MCP servers listed, which workers list), tokens hidden.
-    from hosting.management.commands import grant_worker_role
+    from infra.management.commands import grant_worker_role
 
     writes, reads = grant_worker_role.written_tables(), grant_worker_role.read_tables()
     assert {"sessions_app_session", "sessions_app_turn", "sessions_app_message", "sessions_app_worker"} <= set(writes)

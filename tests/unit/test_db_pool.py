@@ -1,10 +1,10 @@
-"""Pooled PostgreSQL connections are checked only after sitting idle (hosting/postgres)."""
+"""Pooled PostgreSQL connections are checked only after sitting idle (infra/postgres)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hosting.postgres import base
+from infra.postgres import base
 
 
 class Conn:

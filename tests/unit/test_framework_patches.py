@@ -20,22 +20,22 @@ RELEASES = {"daphne": "4.2.3", "twisted": "26.10.0", "django": "5.2.19"}
 
 # (module, Class.method) -> (digest of its source, the project's code that depends on it)
 PINS = {
-    ("daphne.http_protocol", "WebRequest.handle_reply"): ("101a7bbf4292dc40", "hosting/server_limits.py: flow control"),
-    ("daphne.server", "Server.handle_reply"): ("2d3dceaa037c2c83", "hosting/server_limits.py: flow control"),
-    ("daphne.http_protocol", "WebRequest.basic_error"): ("75c40bc366e84add", "hosting/server_limits.py: JSON refusals"),
-    ("twisted.web.http", "Request.handleContentChunk"): ("7231aa98dddfd6b0", "hosting/server_limits.py: body limit"),
+    ("daphne.http_protocol", "WebRequest.handle_reply"): ("101a7bbf4292dc40", "infra/server_limits.py: flow control"),
+    ("daphne.server", "Server.handle_reply"): ("2d3dceaa037c2c83", "infra/server_limits.py: flow control"),
+    ("daphne.http_protocol", "WebRequest.basic_error"): ("75c40bc366e84add", "infra/server_limits.py: JSON refusals"),
+    ("twisted.web.http", "Request.handleContentChunk"): ("7231aa98dddfd6b0", "infra/server_limits.py: body limit"),
     ("twisted.web.http", "Request.requestReceived"): ("ef516c4a44258acb", "hosting/asgi.py: Django reads bodies"),
-    ("twisted.web.http", "HTTPChannel.dataReceived"): ("cff2ad77a90d8575", "hosting/server_limits.py: deadlines"),
-    ("twisted.web.http", "HTTPChannel.allHeadersReceived"): ("0a8dfaba39cbefb1", "hosting/server_limits.py"),
-    ("twisted.web.http", "HTTPChannel.allContentReceived"): ("dd65e80af12385fe", "hosting/server_limits.py"),
-    ("twisted.web.http", "HTTPChannel.connectionLost"): ("b3c612ec737956c0", "hosting/server_limits.py"),
+    ("twisted.web.http", "HTTPChannel.dataReceived"): ("cff2ad77a90d8575", "infra/server_limits.py: deadlines"),
+    ("twisted.web.http", "HTTPChannel.allHeadersReceived"): ("0a8dfaba39cbefb1", "infra/server_limits.py"),
+    ("twisted.web.http", "HTTPChannel.allContentReceived"): ("dd65e80af12385fe", "infra/server_limits.py"),
+    ("twisted.web.http", "HTTPChannel.connectionLost"): ("b3c612ec737956c0", "infra/server_limits.py"),
     ("twisted.web.http", "HTTPChannel._respondToBadRequestAndDisconnect"): (
         "4eb156b7faff5921",
-        "hosting/server_limits.py",
+        "infra/server_limits.py",
     ),
-    ("twisted.protocols.basic", "LineReceiver.lineLengthExceeded"): ("808300070114d9ab", "hosting/server_limits.py"),
-    ("django.core.handlers.asgi", "ASGIHandler.handle"): ("2e2dae70240a12a6", "hosting/handlers.py: ApiHandler.handle"),
-    ("django.core.handlers.asgi", "ASGIHandler.__call__"): ("f252eb4e47b97588", "hosting/handlers.py: ApiHandler"),
+    ("twisted.protocols.basic", "LineReceiver.lineLengthExceeded"): ("808300070114d9ab", "infra/server_limits.py"),
+    ("django.core.handlers.asgi", "ASGIHandler.handle"): ("2e2dae70240a12a6", "infra/handlers.py: ApiHandler.handle"),
+    ("django.core.handlers.asgi", "ASGIHandler.__call__"): ("f252eb4e47b97588", "infra/handlers.py: ApiHandler"),
 }
 
 

@@ -1,8 +1,8 @@
 """The import layers of pyproject.toml's [tool.importlinter] hold: a wrong-way import fails here.
 
-aap <- hosting (tenancy, platform) <- agents <- sessions_app; only the project wiring imports
-the apps above it, and runtimes never import the session layer. (The static check runs as
-its own command: it reads the source, imports nothing.)"""
+aap <- infra <- tenancy <- agents <- sessions_app <- hosting, with no import ignored; the turn
+engine never imports the API, and runtimes never import the session layer. (The static check
+runs as its own command: it reads the source, imports nothing.)"""
 
 from __future__ import annotations
 

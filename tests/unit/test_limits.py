@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from hosting.limits import MemoryWindows, RateState, limits_for, ratelimit_headers
-from hosting.models import Tenant
+from infra.limits import MemoryWindows, RateState, limits_for, ratelimit_headers
+from tenancy.models import Tenant
 
 
 def test_limits_default_to_the_settings_and_a_tenant_overrides_them(settings):
@@ -33,7 +33,7 @@ def test_headers_follow_the_ietf_draft():
 
 
 def test_turns_are_admitted_when_the_rate_window_cannot_be_read(monkeypatch):
-    import hosting.limits as limits
+    import infra.limits as limits
 
     class Unreachable:
         def take(self, *args):

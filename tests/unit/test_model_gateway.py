@@ -19,7 +19,7 @@ from agents.runtimes.acp_bridge.gateway import PREFIX, GatewaySpec, ModelGateway
 from agents.runtimes.acp_bridge.process import AgentProcess, ProcessSpec
 from agents.runtimes.acp_bridge.runtime import AcpRuntime
 from agents.runtimes.acp_bridge.session import Prompt
-from hosting.logs import json_formatter
+from infra.logs import json_formatter
 from tests.fakes.openai_server import FakeOpenAI
 
 REAL_KEY = "sk-operator-real-key-0001"

@@ -10,9 +10,9 @@ import pytest
 from django.http import HttpResponse
 from django.test import RequestFactory, override_settings
 
-from hosting import metrics
-from hosting.service_errors import BadRequest
-from sessions_app.selectors import usage_query
+from infra import metrics
+from infra.service_errors import BadRequest
+from sessions_app.api.selectors import usage_query
 
 
 def test_label_values_beyond_the_cap_read_as_other():

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from redis.exceptions import ConnectionError, OutOfMemoryError, ReadOnlyError, ResponseError
 
-from hosting.errors import exception_handler
-from hosting.redis_connections import RedisConnections
+from infra.errors import exception_handler
+from infra.redis_connections import RedisConnections
 
 
 @pytest.mark.parametrize(
@@ -53,9 +53,9 @@ def test_a_follower_sends_an_event_published_twice_once(monkeypatch):
     import asyncio
     import contextlib
 
-    from sessions_app import events
-    from sessions_app.events.entries import Entries
-    from sessions_app.events.watcher import Watcher
+    from sessions_app.engine import events
+    from sessions_app.engine.events.entries import Entries
+    from sessions_app.engine.events.watcher import Watcher
 
     start, a, b, stop = (
         {"event": "turn_start"},
@@ -89,7 +89,7 @@ def test_a_follower_sends_an_event_published_twice_once(monkeypatch):
 def test_a_follower_reads_a_long_stream_in_rounds_sized_by_bytes():
     """A follower replaying a stream asks for few entries at first, more while they are
     small, and few again once they are large: it holds about one round, never the turn."""
-    from sessions_app.events.entries import MAX_COUNT, MIN_COUNT, ROUND_BYTES, Entries, next_count
+    from sessions_app.engine.events.entries import MAX_COUNT, MIN_COUNT, ROUND_BYTES, Entries, next_count
 
     def read(n: int, size: int) -> Entries:
         entries = Entries([(i, {}) for i in range(n)])
@@ -110,9 +110,9 @@ def test_a_follower_goes_on_reading_after_a_full_round(monkeypatch):
     import asyncio
     import contextlib
 
-    from sessions_app import events
-    from sessions_app.events.entries import Entries
-    from sessions_app.events.watcher import Watcher
+    from sessions_app.engine import events
+    from sessions_app.engine.events.entries import Entries
+    from sessions_app.engine.events.watcher import Watcher
 
     stream = [(1, {"event": "turn_start"})]
     stream += [(i, {"event": "text_delta", "delta": "x" * 100_000}) for i in range(2, 40)]

@@ -1,5 +1,5 @@
 """Failures are logged with their traceback (every frame: file, line, function) and never
-with an exception's message, which may carry a secret (hosting/logs.py)."""
+with an exception's message, which may carry a secret (infra/logs.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import traceback
 
 import pytest
 
-from hosting.logs import PlainFormatter, TaskFailureFilter, format_exception_safely, json_formatter
+from infra.logs import PlainFormatter, TaskFailureFilter, format_exception_safely, json_formatter
 
 SECRET = "sk-live-0123456789abcdef0123456789abcdef"
 

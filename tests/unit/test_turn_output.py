@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from sessions_app import events, host
+from sessions_app.engine import events, host
+from sessions_app.engine.turn_output import DeltaRuns, OutputBudget, TurnOutputExceeded
 from sessions_app.protocol import fold
-from sessions_app.turn_output import DeltaRuns, OutputBudget, TurnOutputExceeded
 
 
 def test_joined_deltas_fold_to_the_same_messages():

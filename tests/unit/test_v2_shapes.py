@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from sessions_app.v2.shapes import message_to_v2, message_to_v3, tool_to_v2, tool_to_v3
-from sessions_app.v2.stream import JSONShaper, SSEShaper
+from sessions_app.api.v2.shapes import message_to_v2, message_to_v3, tool_to_v2, tool_to_v3
+from sessions_app.api.v2.stream import JSONShaper, SSEShaper
 from tests.support import parse_sse
 
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="

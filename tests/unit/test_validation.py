@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 
 from agents.selectors import AgentDefinition, OptionDefinition
-from hosting import crypto
-from hosting.service_errors import BadRequest
-from sessions_app.services.validation import (
+from infra import crypto
+from infra.service_errors import BadRequest
+from sessions_app.api.services.validation import (
     answers_for_pending,
     check_images,
     check_stream,
-    effective_options,
     merge_options,
     redacted_options,
     validate_client_tools,
     validate_server_tools,
 )
+from sessions_app.engine.execution import effective_options
 
 CLOCK = {"name": "clock", "description": "Current UTC time.", "parameters": {"type": "object"}}
 
@@ -213,7 +213,7 @@ def test_the_count_before_the_parse_answers_as_the_parsed_body_does(settings, se
     import json
     import random
 
-    from sessions_app.services.validation import check_body_size, check_request_size
+    from sessions_app.api.services.validation import check_body_size, check_request_size
 
     settings.AAP_MAX_TURN_MESSAGES = settings.AAP_MAX_SEED_MESSAGES = 5
     settings.AAP_MAX_CONTENT_PARTS = 3
@@ -231,7 +231,7 @@ def test_the_count_before_the_parse_answers_as_the_parsed_body_does(settings, se
 
 
 def test_the_count_before_the_parse_leaves_small_bodies_and_non_objects_alone(settings):
-    from sessions_app.services.validation import check_body_size
+    from sessions_app.api.services.validation import check_body_size
 
     settings.AAP_MAX_TURN_MESSAGES = 1
     small = b'{"messages": [1, 2]}'

@@ -1,4 +1,4 @@
-"""A worker's bell (sessions_app.worker.Worker): a wake-up is never lost between threads.
+"""A worker's bell (sessions_app.engine.worker.Worker): a wake-up is never lost between threads.
 
 The claim and the turn are replaced by stand-ins: what is checked is which thread looks,
 and when. The embedded worker (`beats=False`) has no timed look, so a thread that waits
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from sessions_app.worker import Worker
+from sessions_app.engine.worker import Worker
 
 PATIENCE = 10.0  # seconds a stand-in waits for what must happen; never reached when it works
 

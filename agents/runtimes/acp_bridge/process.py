@@ -36,7 +36,7 @@ from acp.task import MessageSender, TaskSupervisor
 from django.conf import settings
 
 from agents.runtimes.base import AgentError
-from hosting import logs, metrics
+from infra import logs, metrics
 
 from . import cgroups, limits, sandbox, workspace
 from .egress import EgressProxy

@@ -13,8 +13,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from hosting import process, redis_connections
-from hosting.outages import REDIS_ERRORS
+from infra import process, redis_connections
+from infra.outages import REDIS_ERRORS
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ import acp
 from django.conf import settings
 
 from aap.messages import denial_text
-from hosting.logs import log_context
+from infra.logs import log_context
 
 from ..base import AgentError, PermissionAnswer, Runtime, StopReason, ToolCall, TurnContext
 from . import limits, routing, sandbox, workspace

@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import openai
 
-from hosting import tracing
+from infra import tracing
 
 from ..base import AgentError, Compaction, Runtime, StopReason, ToolCall, TurnContext, new_tool_call_id
 from ..mcp_config import MCP_SERVERS_SCHEMA

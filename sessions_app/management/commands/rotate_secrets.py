@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from hosting.crypto import SecretDecryptionError
-from sessions_app.services.secrets import secrets_rotate
+from infra.crypto import SecretDecryptionError
+from sessions_app.api.services.secrets import secrets_rotate
 
 
 class Command(BaseCommand):

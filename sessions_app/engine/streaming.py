@@ -1,0 +1,298 @@
+"""Turn responses: the SSE stream of a turn, or its JSON result for `stream: "none"`.
+
+Both follow the turn's events (events.follow) on the web process's event loop, so an open
+stream costs no thread. While a turn is quiet they ping the client and check that the turn
+is still alive, ending a lost one with `error` (recovery.turn_recover_if_lost). When the
+event source fails (Redis down) they keep pinging and retrying for AAP_STREAM_RETRY_SECONDS;
+then an SSE response closes without `turn_stop` (the client re-attaches), and a `none`
+response answers from PostgreSQL if the turn has ended there. A `none` response whose events
+have a hole (lost in a Redis restart) answers from PostgreSQL too: what the client is told is
+what history holds. While a turn waits for a worker slot, its SSE stream says so every
+LIVENESS_CHECK_SECONDS with a comment `: queued {"position": n}` instead of `: ping`, so a
+client tells waiting from thinking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from django.conf import settings
+from django.http import HttpResponse
+
+from infra import metrics
+from infra.handlers import on_web_threads
+from infra.outages import DB_ERRORS, OUTAGE_ERRORS
+from tenancy.authentication import token_is_active
+
+from ..protocol import SSE_PING, dumps, event_data, fold, sse_frame
+from . import dispatch, endings, events, recovery
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_CHECK_SECONDS = 5.0
+
+_recover = on_web_threads(recovery.turn_recover_if_lost)
+_stored_result = on_web_threads(endings.turn_result)
+_token_active = on_web_threads(token_is_active)
+_queued_place = on_web_threads(dispatch.queued_place)
+# Yielded by _follow when the stream's API token was revoked (or expired) meanwhile.
+REVOKED = object()
+# Yielded by _follow when the turn ended in PostgreSQL but its stream will never show the end
+# (its events were lost with Redis): the rest can only come from history.
+ENDED = object()
+_rebuilt_ending = on_web_threads(endings.rebuilt_ending)
+REVOKED_SENTENCE = (
+    "The API token of this stream was revoked or expired; the turn goes on, re-attach with a valid token."
+)
+
+
+class StreamInterrupted(Exception):
+    """The turn's events cannot be followed to its end from here: the response closes."""
+
+
+async def _follow(turn_id: str, after: int, token_id: int | None = None):
+    """Events of the turn, with QUIET markers at most every LIVENESS_CHECK_SECONDS; ends
+    with REVOKED once the stream's token is no longer valid (checked as often). Across
+    failures of the event source: QUIET markers while it retries, then StreamInterrupted."""
+    quiet = min(LIVENESS_CHECK_SECONDS, settings.AAP_SSE_PING_SECONDS)
+    checked = time.monotonic()
+    failing_since: float | None = None
+    ended_quietly = 0  # quiet checks that found the turn over with no turn_stop in sight
+    while True:
+        try:
+            async for item in events.follow(turn_id, after, quiet_seconds=quiet):
+                failing_since = None
+                if token_id is not None and time.monotonic() - checked >= LIVENESS_CHECK_SECONDS:
+                    checked = time.monotonic()
+                    if not await _token_active(token_id):
+                        yield REVOKED
+                        return
+                if item is events.QUIET:
+                    if await _recover(turn_id):
+                        ended_quietly += 1
+                        if ended_quietly > 2:  # its stream has no end any more (wiped, expired)
+                            yield ENDED
+                            return
+                else:
+                    after = item[0]
+                yield item
+            return
+        except StreamInterrupted:
+            raise
+        except OUTAGE_ERRORS as exc:  # Redis or PostgreSQL unreachable: retry, pinging meanwhile
+            now = time.monotonic()
+            if failing_since is None:
+                failing_since = now
+                logger.warning("following turn %s failed; retrying", turn_id, exc_info=True)
+            if now - failing_since > settings.AAP_STREAM_RETRY_SECONDS:
+                raise StreamInterrupted(type(exc).__name__) from None
+            yield events.QUIET
+            await asyncio.sleep(min(1.0, quiet))
+
+
+async def _still_queued(turn_id: str) -> dict | None:
+    try:
+        return await _queued_place(turn_id)
+    except OUTAGE_ERRORS:  # the liveness check reports what is wrong; this stream just pings
+        logger.debug("the place of queued turn %s is unreadable", turn_id, exc_info=True)
+        return None
+
+
+def queued_comment(place: dict) -> bytes:
+    return f": queued {dumps(place)}\n\n".encode()
+
+
+async def _rest_from_history(turn_id: str, cursor: endings.FoldCursor | None, mode: str, after: int):
+    """The stream's frames from event `after` + 1 to its end, rebuilt from history once the
+    turn has ended (pinging meanwhile): for a reader whose live events stopped short or have a
+    hole (lost with Redis), so that what it folds is what history holds. Without a cursor, or
+    when history does not have the shape the reader was shown, the response closes."""
+    if cursor is None:
+        raise StreamInterrupted("the turn's stream lost events this reader had not read")
+    while not await _recover(turn_id):  # it may be lost meanwhile: then it ends `error`
+        yield SSE_PING
+        await asyncio.sleep(LIVENESS_CHECK_SECONDS)
+    ending = await _rebuilt_ending(turn_id, cursor, mode)
+    if ending is None:
+        raise StreamInterrupted("the turn ended but its stream cannot be completed from history")
+    logger.warning("turn %s: its stream lost events; the rest was rebuilt from history", turn_id)
+    for offset, event in enumerate(ending, start=after + 1):
+        yield sse_frame(offset, event)
+
+
+async def sse_stream(turn_id: str, after: int = 0, token_id: int | None = None, mode: str = "delta"):
+    last_write = time.monotonic()
+    waiting = after <= 1  # until the turn shows it started (a worker took it)
+    # Where the events sent leave the reader, while they are every event from the first: if
+    # the rest is lost with Redis, it is rebuilt from history (endings.rebuilt_ending).
+    cursor: endings.FoldCursor | None = endings.FoldCursor() if after <= 1 else None
+    async for item in _follow(turn_id, after, token_id):
+        if item is REVOKED:
+            yield f": {REVOKED_SENTENCE}\n\n".encode()
+            return
+        if item is ENDED:
+            async for frame in _rest_from_history(turn_id, cursor, mode, after):
+                yield frame
+            return
+        now = time.monotonic()
+        if item is events.QUIET:
+            if waiting:
+                place = await _still_queued(turn_id)
+                if place:
+                    last_write = now
+                    yield queued_comment(place)
+                    continue
+                waiting = False
+            if now - last_write >= settings.AAP_SSE_PING_SECONDS - 0.5:
+                last_write = now
+                yield SSE_PING
+            continue
+        last_write = now
+        seq, event = item
+        waiting = waiting and seq <= 1
+        if cursor is not None and seq != after + 1:
+            # A hole (a batch Redis refused, or lost in a restart): the events after it would
+            # fold into a wrong answer. The rest comes from history once the turn has ended.
+            async for frame in _rest_from_history(turn_id, cursor, mode, after):
+                yield frame
+            return
+        if cursor is not None:
+            cursor.feed(event)
+        after = seq
+        yield sse_frame(seq, event)
+
+
+async def _stored_result_or_none(turn_id: str) -> dict | None:
+    try:
+        return await _stored_result(turn_id)
+    except DB_ERRORS:  # PostgreSQL unreachable
+        logger.warning("the stored result of turn %s is unreadable", turn_id, exc_info=True)
+        return None
+
+
+async def json_result(turn_id: str, token_id: int | None = None):
+    """The `stream: "none"` body. Leading blanks keep idle connections open (valid JSON)."""
+    collected: list[dict] = []
+    stop: dict = {}
+    last_write = time.monotonic()
+    last_seq, whole = 0, True  # whole: every event from the first was seen, none skipped
+    try:
+        async for item in _follow(turn_id, 0, token_id):
+            if item is REVOKED:
+                yield dumps({"error": REVOKED_SENTENCE}).encode()
+                return
+            if item is ENDED:
+                raise StreamInterrupted("the turn ended but its stream has no turn_stop")
+            if item is events.QUIET:
+                if time.monotonic() - last_write >= settings.AAP_SSE_PING_SECONDS - 0.5:
+                    last_write = time.monotonic()
+                    yield b" "
+                continue
+            seq, event = item
+            whole = whole and seq == last_seq + 1
+            last_seq = seq
+            if event["event"] == "turn_stop":
+                stop = event
+            elif event["event"] != "turn_start":
+                collected.append(event)
+        if not whole:
+            # Events are missing from the live view (a Redis restart, a batch Redis refused):
+            # the answer is the stored turn's, which is what history holds.
+            stored = await _stored_result_or_none(turn_id)
+            if stored is not None:
+                yield dumps(stored).encode()
+                return
+    except StreamInterrupted:
+        # PostgreSQL holds the finished turn's result; an unfinished one closes the response.
+        stored = await _stored_result_or_none(turn_id)
+        if stored is None:
+            raise
+        yield dumps(stored).encode()
+        return
+    body = {"stopReason": stop.get("stopReason", "error"), "messages": fold(collected)}
+    meta = {"turnId": turn_id, **event_data(stop).get("_meta", {})}
+    body["_meta"] = meta
+    yield dumps(body).encode()
+
+
+# The view answers with this internal header instead of a body; TurnStreamHandoff (the ASGI
+# layer in front of Django) strips it and streams the turn itself. Django's request (its
+# thread and database connection) is over by then, so an open stream costs neither.
+HANDOFF_HEADER = "X-AAP-Turn-Stream"
+
+
+def turn_response(turn_id: str, mode: str, *, after: int = 0, token_id: int | None = None) -> HttpResponse:
+    response = HttpResponse(content_type="application/json" if mode == "none" else "text/event-stream")
+    if mode != "none":
+        response["X-Accel-Buffering"] = "no"
+    response["Cache-Control"] = "no-cache"
+    response["AAP-Turn-Id"] = turn_id
+    response[HANDOFF_HEADER] = f"{turn_id} {mode} {after} {token_id or 0}"
+    return response
+
+
+class TurnStreamHandoff:
+    """ASGI middleware: when a view hands a turn over (HANDOFF_HEADER), send the response
+    head without that header, then the turn's body from the event stream, until its end or
+    until the client disconnects (the turn itself goes on)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        marker = HANDOFF_HEADER.lower().encode()
+        handoff: dict = {}
+
+        async def capture(message):
+            if message["type"] == "http.response.start":
+                headers = message.get("headers", [])
+                value = next((v for k, v in headers if k.lower() == marker), None)
+                if value is not None:
+                    kept = [(k, v) for k, v in headers if k.lower() not in (marker, b"content-length")]
+                    handoff.update(start={**message, "headers": kept}, spec=value.decode())
+                    return
+            elif handoff:
+                return  # the view's empty body
+            await send(message)
+
+        await self.app(scope, receive, capture)
+        if handoff:
+            await self._stream(handoff, receive, send)
+
+    async def _stream(self, handoff: dict, receive, send) -> None:
+        turn_id, mode, after, token = handoff["spec"].split(" ")
+        token_id = int(token) or None
+        body = json_result(turn_id, token_id) if mode == "none" else sse_stream(turn_id, int(after), token_id, mode)
+        body = metrics.relayed(body, mode=mode, after=int(after))
+        await send(handoff["start"])
+        # An empty chunk makes the server write the head now (Twisted waits for body bytes), so
+        # every client has `AAP-Turn-Id` at once, `stream: "none"` included.
+        await send({"type": "http.response.body", "body": b"", "more_body": True})
+
+        async def pump():
+            try:
+                async for chunk in body:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except StreamInterrupted as exc:
+                logger.warning("closing the stream of turn %s: %s", turn_id, exc)
+            except Exception:  # the response's boundary: never leave it open with nothing being sent
+                logger.error("the stream of turn %s failed", turn_id, exc_info=True)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def disconnected():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        streaming = asyncio.ensure_future(pump())
+        watching = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, watching):
+                task.cancel()
+            await asyncio.gather(streaming, watching, return_exceptions=True)
+            await body.aclose()

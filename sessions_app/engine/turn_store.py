@@ -1,0 +1,451 @@
+"""The statements of a turn's path, written as SQL.
+
+Every turn reads and writes the same few rows: the session (locked), the turn, the new
+messages. Each statement is one prepared string, built once, not a query the ORM builds on
+every turn at many times the database's own cost for it
+(docs/adr/0003-raw-sql-on-the-turn-path.md). The rules stay in the services; this module
+only moves rows. Works on PostgreSQL and on SQLite (the embedded mode).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from django.conf import settings
+from django.db import connection
+from django.utils import timezone
+
+from agents.models import Agent
+from tenancy.models import Tenant
+
+from ..models import Message, Session, Turn
+from ..protocol import dumps
+
+S = Session._meta.db_table
+T = Turn._meta.db_table
+M = Message._meta.db_table
+A = Agent._meta.db_table
+TENANT = Tenant._meta.db_table
+
+# Rows per INSERT statement: well under SQLite's and PostgreSQL's parameter limits.
+INSERT_BATCH = 500
+
+
+def _now():
+    return connection.ops.adapt_datetimefield_value(timezone.now())
+
+
+def _json_param(model, field: str, value):
+    return model._meta.get_field(field).get_db_prep_save(value, connection)
+
+
+def _json(text):
+    return None if text is None else json.loads(text) if isinstance(text, str) else text
+
+
+def _datetime(value) -> datetime:
+    """A timestamp read by raw SQL: a datetime from PostgreSQL, text (UTC) from SQLite."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return value if timezone.is_aware(value) else timezone.make_aware(value, UTC)
+
+
+def _for_update() -> str:
+    return " FOR UPDATE OF s" if connection.features.has_select_for_update_of else ""
+
+
+# --- sessions ---------------------------------------------------------------------------------
+
+
+@dataclass
+class SessionRow:
+    pk: int
+    public_id: str
+    agent_id: int
+    agent_revision: datetime
+    options: dict
+    server_tools: list | None
+    client_tools: list | None
+    pending_calls: list
+    message_seq: int
+    active_turn_id: str | None
+    # The tenant may still use the session's agent: the agent is open to every tenant (no
+    # tenants chosen) or lists this one. An operator may restrict an agent at any time.
+    agent_allowed: bool
+
+
+_SESSION_COLUMNS = (
+    "s.id, s.public_id, s.agent_id, a.updated_at, s.options, s.server_tools, s.client_tools, "
+    "s.pending_calls, s.message_seq, s.active_turn_id"
+)
+AGENT_TENANTS = Agent.tenants.through._meta.db_table
+# Read with the session's lock (one statement instead of an ORM query per turn).
+_AGENT_ALLOWED = (
+    f"(NOT EXISTS (SELECT 1 FROM {AGENT_TENANTS} x WHERE x.agent_id = a.id) "
+    f"OR EXISTS (SELECT 1 FROM {AGENT_TENANTS} x WHERE x.agent_id = a.id AND x.tenant_id = s.tenant_id))"
+)
+
+
+def _session_row(row) -> SessionRow:
+    pk, public_id, agent_id, revision, options, server_tools, client_tools, pending, seq, active, allowed = row
+    return SessionRow(
+        pk,
+        public_id,
+        agent_id,
+        revision,
+        _json(options) or {},
+        _json(server_tools),
+        _json(client_tools),
+        _json(pending) or [],
+        seq,
+        active,
+        bool(allowed),
+    )
+
+
+def lock_session(tenant_id: int, public_id: str) -> SessionRow | None:
+    """The tenant's session, locked until the transaction ends (PostgreSQL), with whether
+    the tenant may still use its agent."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT {_SESSION_COLUMNS}, {_AGENT_ALLOWED} FROM {S} s JOIN {A} a ON a.id = s.agent_id "
+            f"WHERE s.public_id = %s AND s.tenant_id = %s{_for_update()}",
+            [public_id, tenant_id],
+        )
+        row = cursor.fetchone()
+    return _session_row(row) if row else None
+
+
+def lock_session_row(session_pk: int) -> bool:
+    """Lock a session's row until the transaction ends; False when it is gone. Every
+    transaction that writes a session and its turns takes the session first, then the turn
+    (docs/api.md, Guarantees): a delete and a turn's end never wait for each other in a cycle."""
+    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT id FROM {S} WHERE id = %s{lock}", [session_pk])
+        return cursor.fetchone() is not None
+
+
+@dataclass
+class TurnSession:
+    """What a worker needs of a session to run a turn."""
+
+    public_id: str
+    tenant_name: str
+    agent_id: int
+    agent_revision: datetime
+    options: dict
+    server_tools: list | None
+    client_tools: list | None
+
+
+# A session as a worker reads it (TurnSession), alone or with the claim of one of its turns.
+_TURN_SESSION_COLUMNS = "s.public_id, tn.name, s.agent_id, a.updated_at, s.options, s.server_tools, s.client_tools"
+_TURN_SESSION_JOINS = f"{S} s JOIN {A} a ON a.id = s.agent_id JOIN {TENANT} tn ON tn.id = s.tenant_id"
+
+
+def _turn_session(row) -> TurnSession | None:
+    public_id, tenant, agent_id, revision, options, server_tools, client_tools = row
+    if public_id is None:
+        return None
+    return TurnSession(
+        public_id, tenant, agent_id, revision, _json(options) or {}, _json(server_tools), _json(client_tools)
+    )
+
+
+def session_for_turn(session_pk: int) -> TurnSession | None:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {_TURN_SESSION_COLUMNS} FROM {_TURN_SESSION_JOINS} WHERE s.id = %s", [session_pk])
+        row = cursor.fetchone()
+    return _turn_session(row) if row else None
+
+
+def update_session(session_pk: int, **fields) -> None:
+    """Set columns of a session (JSON ones encoded as their field does); updated_at too."""
+    columns, params = [], []
+    for name, value in fields.items():
+        field = Session._meta.get_field(name)
+        columns.append(f"{field.column} = %s")
+        params.append(field.get_db_prep_save(value, connection))
+    columns.append("updated_at = %s")
+    params.append(_now())
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {S} SET {', '.join(columns)} WHERE id = %s", [*params, session_pk])
+
+
+def close_turn_on_session(
+    session_pk: int, *, added: int, pending_calls: list, prompt_tokens: int, completion_tokens: int
+) -> int | None:
+    """After a turn: reserve `added` message positions, store the pending calls and usage,
+    clear the active turn. Returns the new last position (None: the session is gone).
+    The UPDATE locks the row, so concurrent writers of the session's history queue here."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {S} SET message_seq = message_seq + %s, pending_calls = %s, active_turn_id = NULL, "
+            f"prompt_tokens = prompt_tokens + %s, completion_tokens = completion_tokens + %s, updated_at = %s "
+            f"WHERE id = %s RETURNING message_seq",
+            [
+                added,
+                _json_param(Session, "pending_calls", pending_calls),
+                prompt_tokens,
+                completion_tokens,
+                _now(),
+                session_pk,
+            ],
+        )
+        row = cursor.fetchone()
+    return row[0] if row else None
+
+
+# --- turns ------------------------------------------------------------------------------------
+
+
+# The PostgreSQL notification channel of waiting turns (insert_turn), which each worker
+# listens to (sessions_app.engine.worker).
+WAKE_CHANNEL = "aap_turn_waits"
+
+
+def wake_payload(queue: str, node: str) -> str:
+    """A notification's payload: the turn's queue, and the worker it is pinned to (or none)."""
+    return f"{queue}\t{node}"
+
+
+def insert_turn(
+    turn_id: str, session_pk: int, stream: str, permissions: list, *, node: str = "", trace_parent: str = ""
+) -> None:
+    """A new queued turn; `node`: the worker that must run it (it holds the prompt the turn
+    answers), else any; `trace_parent`: the trace its run continues. On PostgreSQL the same
+    statement notifies WAKE_CHANNEL, which the workers hear when the transaction commits
+    (never before, never for a turn rolled back): payload `wake_payload(queue, node)`."""
+    insert = (
+        f"INSERT INTO {T} (id, session_id, status, stream, stop_reason, cancelled, permissions, error, "
+        f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq, pinned_node, trace_parent, "
+        f"queue) VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0, %s, %s, %s)"
+    )
+    notifies = connection.vendor == "postgresql"
+    if notifies:
+        insert = f"WITH stored AS ({insert} RETURNING 1) SELECT pg_notify(%s, %s) FROM stored"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            insert,
+            [
+                turn_id,
+                session_pk,
+                Turn.QUEUED,
+                stream,
+                False,
+                _json_param(Turn, "permissions", permissions),
+                _now(),
+                node or "",
+                trace_parent,
+                settings.AAP_TURN_QUEUE,
+                *([WAKE_CHANNEL, wake_payload(settings.AAP_TURN_QUEUE, node)] if notifies else []),
+            ],
+        )
+
+
+@dataclass
+class ClaimedTurn:
+    session_pk: int
+    stream: str
+    permissions: list
+    waited: float = 0.0  # seconds from its acceptance to this claim
+    session: TurnSession | None = None  # read with the claim (PostgreSQL); else session_for_turn
+    trace_parent: str = ""  # the trace of the request that accepted it
+
+
+# What a claim returns, then `claimed` builds the ClaimedTurn from.
+CLAIMED_COLUMNS = "session_id, stream, permissions, created_at, trace_parent"
+
+
+def with_session(update_ctes: str, update_name: str) -> str:
+    """A claim's statement: the CTEs `update_ctes` (ending in the UPDATE named `update_name`,
+    which returns the claimed columns), then its session's row (_TURN_SESSION_COLUMNS): the
+    worker needs it next, and it costs no round trip of its own."""
+    return (
+        f"WITH {update_ctes} SELECT c.*, {_TURN_SESSION_COLUMNS} FROM {update_name} c "
+        f"LEFT JOIN ({_TURN_SESSION_JOINS}) ON s.id = c.session_id"
+    )
+
+
+def claimed(row, started: datetime) -> ClaimedTurn:
+    """The ClaimedTurn of a claim's row (CLAIMED_COLUMNS, then the session's columns, if read)."""
+    session_pk, stream, permissions, created_at, trace_parent = row[:5]
+    return ClaimedTurn(
+        session_pk,
+        stream,
+        _json(permissions) or [],
+        (started - _datetime(created_at)).total_seconds(),
+        _turn_session(row[5:]) if len(row) > 5 else None,
+        trace_parent or "",
+    )
+
+
+def waiting(alias: str) -> str:
+    """SQL: the turn `alias` waits for a worker slot."""
+    return f"{alias}.status = '{Turn.QUEUED}'"
+
+
+def claim_turn(turn_id: str) -> ClaimedTurn | None:
+    """queued -> running, at most once (where PostgreSQL's one-statement claim,
+    schedule_store.claim_next, is not available)."""
+    started = timezone.now()
+    now = connection.ops.adapt_datetimefield_value(started)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {T} SET status = %s, started_at = %s, heartbeat_at = %s "
+            f"WHERE id = %s AND status = %s RETURNING {CLAIMED_COLUMNS}",
+            [Turn.RUNNING, now, now, turn_id, Turn.QUEUED],
+        )
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    found = claimed(row, started)
+    found.session = session_for_turn(found.session_pk)
+    return found
+
+
+@dataclass(frozen=True)
+class EndedTurn:
+    others_waiting: bool  # as it ended, other turns were waiting for a worker slot
+
+
+def end_turn(
+    turn_id: str,
+    *,
+    stop_reason: str,
+    cancelled: bool,
+    error: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    model_calls: int,
+    produced: bool = False,
+    usage_estimated: bool = False,
+) -> EndedTurn | None:
+    """running -> done; None when it was no longer running (declared lost, or deleted).
+    The same statement says whether other turns wait for a worker slot (a hint for the worker
+    thread that ran this one, sessions_app.engine.worker: no statement of its own).
+
+    `produced`: the turn's output is about to be appended to its session, so its first
+    message will be the session's next seq; that seq is the turn's `output_seq` (set in the
+    same statement, before the session moves on)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {T} SET status = %s, stop_reason = %s, cancelled = %s, error = %s, finished_at = %s, "
+            f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, usage_estimated = %s, partial = '', "
+            f"output_seq = CASE WHEN %s THEN (SELECT message_seq + 1 FROM {S} WHERE id = {T}.session_id) ELSE 0 END "
+            f"WHERE id = %s AND status = %s "
+            f"RETURNING EXISTS (SELECT 1 FROM {T} w WHERE {waiting('w')})",
+            [
+                Turn.DONE,
+                stop_reason,
+                cancelled,
+                error,
+                _now(),
+                prompt_tokens,
+                completion_tokens,
+                model_calls,
+                usage_estimated,
+                produced,
+                turn_id,
+                Turn.RUNNING,
+            ],
+        )
+        row = cursor.fetchone()
+    return EndedTurn(bool(row[0])) if row else None
+
+
+def heartbeat(turn_ids: list[str], partials: dict[str, str]) -> None:
+    """Mark running turns alive (one statement), and store the partial output of some."""
+    if not turn_ids:
+        return
+    now = _now()
+    with connection.cursor() as cursor:
+        marks = ", ".join(["%s"] * len(turn_ids))
+        cursor.execute(
+            f"UPDATE {T} SET heartbeat_at = %s WHERE status = %s AND id IN ({marks})", [now, Turn.RUNNING, *turn_ids]
+        )
+        for turn_id, text in partials.items():
+            cursor.execute(f"UPDATE {T} SET partial = %s WHERE id = %s AND status = %s", [text, turn_id, Turn.RUNNING])
+
+
+def turn_output(turn_id: str, session_pk: int, output_seq: int) -> list[dict]:
+    """The messages a finished turn added to full history, in order."""
+    if not output_seq:
+        return []
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT data FROM {M} WHERE session_id = %s AND kind = %s AND turn_id = %s AND seq >= %s ORDER BY seq",
+            [session_pk, Message.FULL, turn_id, output_seq],
+        )
+        return [json.loads(row[0]) for row in cursor.fetchall()]
+
+
+# --- history ----------------------------------------------------------------------------------
+
+
+def insert_messages(
+    session_pk: int, first_seq: int, messages: list[dict], *, turn_id: str | None = None, compacted_from: int = 0
+) -> list[int]:
+    """Store messages at positions first_seq, first_seq + 1, ... in full history, and those
+    from index `compacted_from` on in compacted history too. Returns their positions."""
+    rows = []
+    for offset, message in enumerate(messages):
+        text, role, seq = dumps(message), message.get("role", ""), first_seq + offset
+        rows.append((session_pk, Message.FULL, seq, role, text, turn_id))
+        if offset >= compacted_from:
+            rows.append((session_pk, Message.COMPACTED, seq, role, text, turn_id))
+    insert_message_rows(rows)
+    return [first_seq + offset for offset in range(len(messages))]
+
+
+def insert_message_rows(rows: list[tuple]) -> None:
+    """(session_id, kind, seq, role, data, turn_id) rows, in batches."""
+    with connection.cursor() as cursor:
+        for start in range(0, len(rows), INSERT_BATCH):
+            batch = rows[start : start + INSERT_BATCH]
+            values = ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(batch))
+            cursor.execute(
+                f"INSERT INTO {M} (session_id, kind, seq, role, data, turn_id) VALUES {values}",
+                [value for row in batch for value in row],
+            )
+
+
+def compacted_history_after(
+    session_pk: int, after_seq: int
+) -> tuple[tuple[int, int] | None, tuple[int, int] | None, list[tuple[int, str, str | None, int]]]:
+    """In one statement (one snapshot): the (seq, row id) of the session's first compacted row
+    and of its last one at or before `after_seq` (what a kept copy of them checks, with two
+    index probes however long the history: compaction deletes rows at the start and inserts
+    any summary there with new ids; a lost turn's recovered output is replaced at the end with
+    new ids), then the rows after `after_seq` as (seq, JSON text, turn id, row id), in order."""
+    rows_of = f"FROM {M} WHERE session_id = %s AND kind = %s"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT 0, seq, id, NULL, NULL FROM (SELECT seq, id {rows_of} ORDER BY seq LIMIT 1) AS first_row "
+            f"UNION ALL SELECT 1, seq, id, NULL, NULL FROM "
+            f"(SELECT seq, id {rows_of} AND seq <= %s ORDER BY seq DESC LIMIT 1) AS last_row "
+            f"UNION ALL SELECT 2, seq, id, data, turn_id {rows_of} AND seq > %s ORDER BY 1, 2",
+            [session_pk, Message.COMPACTED] + [session_pk, Message.COMPACTED, after_seq] * 2,
+        )
+        rows = cursor.fetchall()
+    first = last = None
+    new = []
+    for part, seq, row_id, data, turn in rows:
+        if part == 0:
+            first = (seq, row_id)
+        elif part == 1:
+            last = (seq, row_id)
+        else:
+            new.append((seq, data, turn, row_id))
+    return first, last, new
+
+
+def drop_compacted_before(session_pk: int, cutoff: int) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"DELETE FROM {M} WHERE session_id = %s AND kind = %s AND seq < %s",
+            [session_pk, Message.COMPACTED, cutoff],
+        )

@@ -1,0 +1,1 @@
+"""Tenants, their API tokens, and how a request authenticates as a tenant."""
