@@ -1,8 +1,8 @@
 """A worker: the threads that take turns from PostgreSQL and run them, and what keeps it known.
 
 `Worker` owns one worker process's part (a Celery worker's, built and started by its
-`worker_ready` signal in hosting.celery and drained at its shutdown; or the embedded mode's,
-inside the web process; a test can make one without either):
+`worker_ready` signal in hosting.celery through `start_worker` and drained at its shutdown;
+or the embedded mode's, inside the web process; a test can make several without either):
 
 - `concurrency` slot threads. A free one claims the next waiting turn in one statement
   (`take`, the one hand-off of a turn to a thread: schedule_store.claim_next), runs it, and
@@ -12,9 +12,15 @@ inside the web process; a test can make one without either):
 - its heartbeat row in PostgreSQL every round, saying how many turns it runs at once (what
   `queued` positions are counted against);
 - a sweep for lost turns every SWEEP_SECONDS on a thread of its own (one worker at a time
-  across the deployment); it reads PostgreSQL only.
+  across the deployment); it reads PostgreSQL only;
+- what it keeps about the turns it runs, handed to each (services.execution.turn_execute):
+  their heartbeats and leases (`liveness`, two threads of its own), their tasks on the
+  runtime loop, which its cancel listener reaches (`running`), and the histories it read
+  (`histories`).
 
-The turns' own heartbeats and leases are sessions_app.liveness's.
+Nothing about turns is kept outside a Worker: two in one process share no turn. The module
+keeps only which Worker is this process's (`start_worker`, `wake_embedded`), for the Celery
+signals and the wake-ups that reach the process.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ from hosting import tracing
 from hosting.logs import log_context
 
 from . import schedule_store, turn_store
+from .host import RunningTurns
+from .liveness import Liveness, interval
 from .services import execution, recovery
+from .services.kept_history import KeptHistories
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +64,9 @@ class Worker:
         self._looking = False  # a free thread looks for turns every AAP_WORKER_POLL_SECONDS
         self._threads: list[threading.Thread] = []
         self._slots: list[threading.Thread] = []
+        self.liveness = Liveness()
+        self.running = RunningTurns()
+        self.histories = KeptHistories()
 
     @property
     def serving(self) -> bool:
@@ -64,6 +76,8 @@ class Worker:
     def start(self) -> None:
         """Say now that this worker's slots are there, then keep saying it and sweeping; its
         slot threads look for waiting turns at once (some may have waited for a worker)."""
+        self.running.listen()
+        self.liveness.start()
         if self.beats:
             try:
                 self.round()
@@ -104,10 +118,17 @@ class Worker:
         finally:
             connection.close()
 
-    def drain(self, timeout: float | None = None) -> None:
-        """Wait for the running turns to end (after `stop`)."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for the running turns to end (after `stop`), each slot for up to `timeout`;
+        then, if they all ended, its turns' heartbeats and cancel listener stop. Whether
+        they all ended."""
         for thread in self._slots:
             thread.join(timeout)
+        if any(thread.is_alive() for thread in self._slots):
+            return False  # the turns still running keep their heartbeats
+        self.liveness.stop()
+        self.running.close()
+        return True
 
     def round(self) -> None:
         """Its heartbeat row."""
@@ -136,7 +157,7 @@ class Worker:
                 look = self._wait()
                 continue
             turn_id, claimed = taken
-            look = self._run(turn_id, claimed)
+            look = self.run(turn_id, claimed)
 
     def _wait(self) -> bool:
         """Wait for a wake-up, or, for the one thread that looks on a timer, the next look.
@@ -157,11 +178,14 @@ class Worker:
                 self._rung -= 1
             return self.serving
 
-    def _run(self, turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
-        """Run a claimed turn; whether turns were waiting as it ended (then it looks again)."""
+    def run(self, turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
+        """Run a turn this worker claimed, on the calling thread; whether turns were waiting
+        as it ended (then a slot thread looks again). Never raises."""
         with log_context(turn=turn_id), tracing.continued(claimed.trace_parent):
             try:
-                return execution.turn_execute(turn_id, claimed)
+                return execution.turn_execute(
+                    turn_id, claimed, liveness=self.liveness, running=self.running, histories=self.histories
+                )
             except Exception:
                 # Never raised further: the thread serves on, and the turn, still `running`
                 # with no heartbeat, ends as lost.
@@ -171,9 +195,7 @@ class Worker:
                 close_old_connections()
 
     def _beat_forever(self) -> None:
-        from . import liveness
-
-        while not self._stopped.wait(liveness.interval()):
+        while not self._stopped.wait(interval()):
             try:
                 self.round()
             except Exception:  # the thread's boundary: the next round tries again
