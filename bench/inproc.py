@@ -15,8 +15,8 @@
 Prints one JSON object: turns, seconds, rate, latency percentiles (seconds), errors; or, for
 `statements`, the counts per turn. Run by the bench as a subprocess with the stack's
 environment (the `host` mode without REDIS_URL, so the event stream is the in-memory one;
-`statements` with a turn queue of its own, AAP_TURN_QUEUE, so that only its Worker claims
-its turns, and the demo tenant's token in BENCH_TOKEN).
+`services` and `statements` with a turn queue of their own, AAP_TURN_QUEUE, so that only
+they claim their turns; `statements` with the demo tenant's token in BENCH_TOKEN).
 """
 
 from __future__ import annotations

@@ -275,9 +275,9 @@ class Bench:
         if mode == "host":
             # The in-memory event stream: no Redis, no database touched.
             env.update(REDIS_URL="", DATABASE_URL="")
-        if mode == "statements":
-            # Its own turn queue: the stack's workers never claim its turns.
-            env.update(AAP_TURN_QUEUE=f"bench-statements-{os.getpid()}", BENCH_TOKEN=self.stack.token)
+        if mode in ("services", "statements"):
+            # Its own turn queue: the stack's workers, looking for turns every second, never take its turns.
+            env.update(AAP_TURN_QUEUE=f"bench-{mode}-{os.getpid()}", BENCH_TOKEN=self.stack.token)
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
