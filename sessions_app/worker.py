@@ -160,23 +160,28 @@ class Worker:
             look = self.run(turn_id, claimed)
 
     def _wait(self) -> bool:
-        """Wait for a wake-up, or, for the one thread that looks on a timer, the next look.
-        True: look for turns now."""
+        """Wait for a wake-up, or, for the one free thread that looks on a timer, the next
+        look. True: look for turns now. The thread that looks on the timer hands that on
+        to another free thread as it stops waiting (it may take a turn and run it): a turn
+        whose wake-up was lost is found while any thread is free."""
         poll = settings.AAP_WORKER_POLL_SECONDS if self.beats else None
         with self._bell:
-            if self._rung:
-                self._rung -= 1
-                return True
-            looking = poll is not None and not self._looking
-            self._looking = self._looking or looking
-            try:
-                self._bell.wait(poll if looking else None)
-            finally:
-                if looking:
+            while self.serving:
+                if self._rung:
+                    self._rung -= 1
+                    return True
+                if poll is None or self._looking:
+                    self._bell.wait()
+                    continue
+                self._looking = True
+                try:
+                    timed_out = not self._bell.wait(poll)
+                finally:
                     self._looking = False
-            if self._rung:
-                self._rung -= 1
-            return self.serving
+                    self._bell.notify()  # a free thread, if one waits, looks on the timer now
+                if timed_out:
+                    return True
+            return False
 
     def run(self, turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
         """Run a turn this worker claimed, on the calling thread; whether turns were waiting

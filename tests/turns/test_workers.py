@@ -55,3 +55,33 @@ def test_a_worker_drains_only_its_own_turns(engine, demo, two_workers):
     finally:
         turn.join(60)
         client.close()
+
+
+def test_a_free_thread_finds_turns_whose_wake_up_was_lost(engine, demo, monkeypatch, settings):
+    """The thread that looks for turns on a timer takes one and runs it: another free thread
+    looks on the timer from then on, and finds a turn no wake-up announced."""
+    from sessions_app import dispatch
+    from sessions_app.worker import Worker
+
+    settings.AAP_WORKER_POLL_SECONDS = 0.2
+    monkeypatch.setattr(dispatch, "wake", lambda node=None: None)  # every wake-up is lost
+    worker = Worker("test-looking", 2)
+    worker.start()
+    session, other = demo.create_session("echo"), demo.create_session("echo")
+    client, answers, turns = engine.client("demo"), [], []
+    try:
+        for sid in (session, other):
+            # 6,000 ticks 100 ms apart: each runs until it is cancelled at the end.
+            turn = threading.Thread(target=lambda sid=sid: answers.append(client.turn(sid, user("/slow 6000 100"))))
+            turn.start()
+            turns.append(turn)
+            wait_until(lambda: len(worker.liveness.tracked()) == len(turns), message=f"{len(turns)} turns found")
+    finally:
+        for turn_id in worker.liveness.tracked():
+            worker.running.cancel(turn_id)
+        for turn in turns:
+            turn.join(60)
+        worker.stop()
+        worker.drain(timeout=60)
+        client.close()
+    assert [answer.body["_meta"]["cancelled"] for answer in answers] == [True, True]
