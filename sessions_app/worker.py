@@ -8,7 +8,8 @@ or the embedded mode's, inside the web process; a test can make several without 
   (`take`, the one hand-off of a turn to a thread: schedule_store.claim_next), runs it, and
   claims again while turns wait; with nothing to claim it waits for a wake-up (`wake`: a
   Celery message, or the embedded mode's commit hook), and one free thread looks again every
-  AAP_WORKER_POLL_SECONDS, so a lost wake-up costs latency, never a turn;
+  AAP_WORKER_POLL_SECONDS (the next free one at once when that finds a turn), so a lost
+  wake-up costs latency, never a turn;
 - its heartbeat row in PostgreSQL every round, saying how many turns it runs at once (what
   `queued` positions are counted against);
 - a sweep for lost turns every SWEEP_SECONDS on a thread of its own (one worker at a time
@@ -47,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # How often a worker process sweeps for lost turns (services.recovery.sweep_unless_running).
 SWEEP_SECONDS = 10.0
+# Why a free slot thread looks for waiting turns: a wake-up, or its timer.
+WOKEN, TIMER = "woken", "timer"
 
 
 class Worker:
@@ -62,6 +65,7 @@ class Worker:
         self._bell = threading.Condition()
         self._rung = 0  # wake-ups no waiting thread took yet (every thread was busy)
         self._looking = False  # a free thread looks for turns every AAP_WORKER_POLL_SECONDS
+        self._look_now = False  # the next free thread looks on the timer at once (_look_again)
         self._threads: list[threading.Thread] = []
         self._slots: list[threading.Thread] = []
         self.liveness = Liveness()
@@ -149,27 +153,32 @@ class Worker:
 
     def _serve(self) -> None:
         """A slot thread: claim, run, and claim again while turns wait; else wait to be woken."""
-        look = True
+        look: str | None = WOKEN  # at once: turns may have waited for a worker
         while self.serving:
             taken = self.take() if look else None
             if taken is None:
                 connection.close()  # idle: no connection held while nothing runs
                 look = self._wait()
                 continue
+            if look == TIMER:
+                self._look_again()
             turn_id, claimed = taken
-            look = self.run(turn_id, claimed)
+            look = WOKEN if self._run(turn_id, claimed) else None
 
-    def _wait(self) -> bool:
-        """Wait for a wake-up, or, for the one free thread that looks on a timer, the next
-        look. True: look for turns now. The thread that looks on the timer hands that on
-        to another free thread as it stops waiting (it may take a turn and run it): a turn
-        whose wake-up was lost is found while any thread is free."""
-        poll = settings.AAP_WORKER_POLL_SECONDS if self.beats else None
+    def _wait(self) -> str | None:
+        """Wait for a wake-up (WOKEN), or, for the one free thread that looks on a timer, the
+        next look (TIMER); None once the worker stops. The thread that looks on the timer
+        hands that on to another free thread as it stops waiting (it may take a turn and run
+        it): a turn whose wake-up was lost is found while any thread is free."""
         with self._bell:
             while self.serving:
+                poll = settings.AAP_WORKER_POLL_SECONDS if self.beats else None
                 if self._rung:
                     self._rung -= 1
-                    return True
+                    return WOKEN
+                if self._look_now:
+                    self._look_now = False
+                    return TIMER
                 if poll is None or self._looking:
                     self._bell.wait()
                     continue
@@ -178,14 +187,21 @@ class Worker:
                     timed_out = not self._bell.wait(poll)
                 finally:
                     self._looking = False
-                    self._bell.notify()  # a free thread, if one waits, looks on the timer now
+                    self._bell.notify()  # another free thread, if one waits, takes the timer on
                 if timed_out:
-                    return True
-            return False
+                    return TIMER
+            return None
 
-    def run(self, turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
-        """Run a turn this worker claimed, on the calling thread; whether turns were waiting
-        as it ended (then a slot thread looks again). Never raises."""
+    def _look_again(self) -> None:
+        """A look on the timer found a turn: its wake-up was lost, and others' may have been
+        too (wake-ups are lost in bursts: claims that found their turn taken). The next free
+        thread looks at once, not a poll later, and so on while looks find turns."""
+        with self._bell:
+            self._look_now = True
+            self._bell.notify()
+
+    def _run(self, turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
+        """Run a claimed turn; whether turns were waiting as it ended (then it looks again)."""
         with log_context(turn=turn_id), tracing.continued(claimed.trace_parent):
             try:
                 return execution.turn_execute(

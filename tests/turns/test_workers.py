@@ -85,3 +85,38 @@ def test_a_free_thread_finds_turns_whose_wake_up_was_lost(engine, demo, monkeypa
         worker.drain(timeout=60)
         client.close()
     assert [answer.body["_meta"]["cancelled"] for answer in answers] == [True, True]
+
+
+def test_a_turn_found_on_the_timer_has_the_next_free_thread_look_at_once(engine, settings):
+    """Wake-ups are lost in bursts: once a look on the timer finds a turn, free threads look
+    one after the other until a look finds none, rather than one a timer later."""
+    from sessions_app.worker import Worker
+
+    settings.AAP_WORKER_POLL_SECONDS = 0.2
+    worker = Worker("test-chain", 3)
+    waiting: list[str] = []
+    looks, taken = [], []
+    lock, release = threading.Lock(), threading.Event()
+
+    def take():
+        with lock:
+            looks.append(threading.current_thread().name)
+            return (waiting.pop(0), None) if waiting else None
+
+    def run(turn_id, claimed):
+        taken.append(turn_id)
+        release.wait(60)
+        return False
+
+    worker.take, worker._run = take, run  # turns without PostgreSQL: only how threads look is shown
+    worker.start()
+    try:
+        wait_until(lambda: len(looks) >= 3, message="every thread's first look")
+        with lock:
+            waiting.extend(["a", "b", "c"])  # no wake-up for any of them
+            settings.AAP_WORKER_POLL_SECONDS = 3600.0  # a look on a timer that starts now never comes
+        wait_until(lambda: len(taken) == 3, message="the three turns taken")
+    finally:
+        release.set()
+        worker.stop()
+        worker.drain(timeout=60)
