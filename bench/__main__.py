@@ -114,6 +114,7 @@ def main() -> int:
     only = [s.strip() for s in args.only.split(",") if s.strip()] or ORDER
     budget = QUICK_BUDGET_SECONDS if profile is not FULL else 3 * 3600.0
     started = time.monotonic()
+    machine_at_start = machine()  # its load average: others' work shares the cores
     os.chdir(ROOT)
 
     fd_limit = raise_fd_limit()
@@ -150,7 +151,7 @@ def main() -> int:
         "profile": profile.name,
         "preliminary": True,
         "elapsed_seconds": round(elapsed, 1),
-        "machine": machine(),
+        "machine": {**machine_at_start, "loadavg_at_end": os.getloadavg()},
         "services": service_versions(stack.database_url, stack.redis_url),
         "config": {"profile": asdict(profile), "fd_limit": fd_limit},
         "details": bench.details,
@@ -171,7 +172,10 @@ def main() -> int:
     skipped = [row for row in rows if row.skipped]
     for row in skipped:
         print(f"*** SKIPPED [{row.scenario}] {row.name}: {row.skipped}")
-    print(f"results: {path.relative_to(ROOT)}   ({elapsed:.0f} s, profile {profile.name})")
+    loads = " → ".join(
+        "/".join(f"{x:.2f}" for x in load) for load in (machine_at_start["loadavg_at_start"], os.getloadavg())
+    )
+    print(f"results: {path.relative_to(ROOT)}   ({elapsed:.0f} s, profile {profile.name}, load average {loads})")
     if os.environ.get("BENCH_MARKDOWN"):
         Path(os.environ["BENCH_MARKDOWN"]).write_text(markdown_table(rows) + "\n")
     if not healthy:

@@ -238,6 +238,7 @@ class LlmScenarios:
     async def short_turns(self) -> None:
         self.setup()
         await self.warm()
+        await self.bench.statements("10", AGENT, "delta", "short LLM turn (delta, 5 tokens)")
         for c in self.p.llm_concurrency:
             name = f"short LLM turns (delta, 5 tokens), c={c}"
             why = await self.bench.too_big(c)

@@ -18,6 +18,7 @@ class Profile:
     turn_concurrency: tuple[int, ...] = (1, 8, 32, 64)
     turn_seconds: float = 4.0
     inproc_seconds: float = 2.0
+    statement_turns: int = 50  # 2 and 10: turns whose SQL statements are counted (bench/inproc.py)
     workers: int = 2
     # Threads per worker: each keeps a PostgreSQL connection, and the server may be shared.
     worker_concurrency: int = int(os.environ.get("BENCH_WORKER_CONCURRENCY", "6"))
@@ -86,6 +87,7 @@ SMOKE = replace(
     turn_concurrency=(1, 8),
     turn_seconds=1.0,
     inproc_seconds=0.5,
+    statement_turns=5,
     ttfb_clients=8,
     ttfb_seconds=1.0,
     relay_clients=2,

@@ -247,18 +247,43 @@ class Bench:
             extra = (percentiles(hosted[1].latencies)["p50"] - inproc["host"]["latency"]["p50"]) * MS
             self.add(Row("2", "per-turn hosting cost at c=1: hosted p50 − in-process p50", "ms", value=extra))
         self.details["inproc"] = inproc
+        await self.statements("2", "echo", "none", "echo turn (stream none)")
 
-    async def _inproc(self, mode: str) -> dict:
+    async def statements(self, scenario: str, agent: str, stream: str, what: str) -> None:
+        """The SQL statements and transactions one turn costs each side, counted in process
+        (bench/inproc.py `statements`): the same application and Worker code, turns one
+        after the other."""
+        data = await self._inproc("statements", str(self.p.statement_turns), agent, stream)
+        self.details.setdefault("statements", {})[agent] = data
+        for side in ("web", "worker"):
+            counted = data.get("perTurn", {}).get(side, {})
+            self.add(
+                Row(
+                    scenario,
+                    f"SQL statements per {what}, {side} side",
+                    "",
+                    value=counted.get("statements"),
+                    n=data.get("turns", 0),
+                    errors=data.get("errors", 0),
+                    error_samples=data.get("errorSamples", []),
+                    note=f"in {counted.get('transactions', 0):.2f} transactions; c=1, counted in process",
+                )
+            )
+
+    async def _inproc(self, mode: str, *args: str) -> dict:
         env = dict(self.stack.env)
         if mode == "host":
             # The in-memory event stream: no Redis, no database touched.
             env.update(REDIS_URL="", DATABASE_URL="")
+        if mode in ("services", "statements"):
+            # Its own turn queue: the stack's workers, looking for turns every second, never take its turns.
+            env.update(AAP_TURN_QUEUE=f"bench-{mode}-{os.getpid()}", BENCH_TOKEN=self.stack.token)
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "bench.inproc",
             mode,
-            str(self.p.inproc_seconds),
+            *(args or (str(self.p.inproc_seconds),)),
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

@@ -1,5 +1,8 @@
 """Running a queued turn on a worker: claim it once, plan it from PostgreSQL, run the
-agent, persist its messages, pending calls and usage atomically, then publish `turn_stop`."""
+agent, persist its messages, pending calls and usage atomically, then publish `turn_stop`.
+
+What a worker keeps about its turns (their heartbeats, their tasks, the histories it read)
+is the worker's own (sessions_app.engine.worker.Worker), handed to `turn_execute`."""
 
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ from infra.logs import bind_log_context
 
 from ..models import Turn
 from ..protocol import dumps, unstorable
-from . import events, host, liveness, turn_store
+from . import events, host, turn_store
 from .endings import LOST_ERROR, publish_stop, publish_stop_if_missing
 from .history import apply_compaction
-from .kept_history import kept_histories
+from .kept_history import KeptHistories
+from .liveness import Liveness
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +74,10 @@ class _Compacted:
 
 
 def _plan(
-    turn_id: str, claimed: turn_store.ClaimedTurn, session: turn_store.TurnSession
+    turn_id: str, claimed: turn_store.ClaimedTurn, session: turn_store.TurnSession, histories: KeptHistories
 ) -> tuple[host.TurnPlan, _Compacted]:
     agent = agent_definition(session.agent_id, session.agent_revision)
-    seqs, messages, incoming = kept_histories.load(claimed.session_pk, turn_id)
+    seqs, messages, incoming = histories.load(claimed.session_pk, turn_id)
     permissions = [
         PermissionAnswer(ToolCall(p["toolCallId"], p["name"], p.get("input", {})), p["granted"], p.get("reason"))
         for p in claimed.permissions
@@ -118,35 +122,45 @@ def _with_db_retry(function, *args):
             pause = min(pause * 2, 2.0)
 
 
-def _output_json(turn_id: str) -> str | None:
-    shaped = host.output_so_far(turn_id)
+def _output_json(running: host.RunningTurns, turn_id: str) -> str | None:
+    shaped = running.output_so_far(turn_id)
     return dumps(shaped) if shaped else None
 
 
-def turn_execute(turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
+def turn_execute(
+    turn_id: str,
+    claimed: turn_store.ClaimedTurn,
+    *,
+    liveness: Liveness,
+    running: host.RunningTurns,
+    histories: KeptHistories,
+) -> bool:
     """Run a turn a worker thread claimed (schedule_store.claim_next) to its end and persist
-    it. Returns whether other turns were waiting for a worker slot as it ended (True when
-    that is not known): the thread then claims the next."""
+    it, with the worker's `liveness` (its heartbeat), `running` turns (a cancel reaches it
+    there) and kept `histories`. Returns whether other turns were waiting for a worker slot
+    as it ended (True when that is not known): the thread then claims the next."""
     backend = events.backend()
     try:
         backend.set_lease_sync(turn_id)  # the Redis lease backs up the PostgreSQL heartbeat
     except Exception:  # the Redis lease is a backup: the turn runs without it
         logger.warning("no Redis lease for turn %s; its heartbeat stands alone", turn_id, exc_info=True)
     metrics.turn_claimed(claimed.waited)
-    liveness.track(turn_id, None if claimed.stream == "delta" else lambda: _output_json(turn_id))
+    liveness.track(turn_id, None if claimed.stream == "delta" else lambda: _output_json(running, turn_id))
     try:
-        return _execute_claimed(turn_id, claimed)
+        return _execute_claimed(turn_id, claimed, running, histories)
     finally:
         liveness.untrack(turn_id)
 
 
-def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
+def _execute_claimed(
+    turn_id: str, claimed: turn_store.ClaimedTurn, running: host.RunningTurns, histories: KeptHistories
+) -> bool:
     session = claimed.session or _with_db_retry(turn_store.session_for_turn, claimed.session_pk)
     if session is None:
         return True
     bind_log_context(tenant=session.tenant_name, session=session.public_id)
     try:
-        plan, compacted = _with_db_retry(_plan, turn_id, claimed, session)
+        plan, compacted = _with_db_retry(_plan, turn_id, claimed, session, histories)
     except Exception:  # the turn's boundary: it ends with an error
         logger.error("turn %s could not be prepared", turn_id, exc_info=True)
         try:
@@ -166,7 +180,7 @@ def _execute_claimed(turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
     else:
         # The agent may run for minutes: give the connection back to the pool meanwhile.
         connection.close()
-        outcome = host.execute_sync(plan)
+        outcome = host.execute_sync(plan, running)
     try:
         return _with_db_retry(_finish, turn_id, claimed.session_pk, outcome, compacted)
     except Exception:

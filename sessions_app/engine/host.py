@@ -4,7 +4,8 @@
 resolves the application's permission answers, runs the runtime, shapes its events for the
 stream mode, runs server tools, answers unknown tools, keeps the lease alive, honours
 cancel, and turns any exception into stop reason `error`. It returns a `TurnOutcome` that
-services persist. It never touches the database.
+services persist. It never touches the database. The turns a worker runs are its
+`RunningTurns`: a cancel signal reaches them there, and its heartbeat reads their output.
 """
 
 from __future__ import annotations
@@ -41,23 +42,13 @@ logger = logging.getLogger(__name__)
 
 
 # --- the runtime loop: one asyncio loop per process, in a daemon thread ---------------------
+# Process-wide, unlike the turns on it (`RunningTurns`, one per worker): what the runtimes
+# keep across turns lives on it (ACP agent processes, MCP connections, model connection
+# pools: agents.runtimes.runtime_for's instances), and the web process reaches the same
+# instances (a deleted session's agent is stopped; in the embedded mode, the worker's).
 
 _loop_lock = threading.Lock()
 _loop: tuple[int, asyncio.AbstractEventLoop] | None = None
-_running: dict[str, asyncio.Task] = {}
-_publishers: dict[str, _Publisher] = {}
-
-
-def output_so_far(turn_id: str) -> list[dict] | None:
-    """What the running turn's agent produced so far, as `message`-mode events (whole
-    blocks; the last one as far as it got). None: not running here. Called from the
-    heartbeat thread: it shapes a snapshot of the list the loop appends to."""
-    publisher = _publishers.get(turn_id)
-    if publisher is None:
-        return None
-    shaper = MessageShaper("message")
-    shaped = [out for event in publisher.produced.events() for out in shaper.feed(event)]
-    return shaped + shaper.flush()
 
 
 def runtime_loop() -> asyncio.AbstractEventLoop:
@@ -69,7 +60,6 @@ def runtime_loop() -> asyncio.AbstractEventLoop:
             thread = threading.Thread(target=loop.run_forever, name="aap-runtime-loop", daemon=True)
             thread.start()
             _loop = (os.getpid(), loop)
-            asyncio.run_coroutine_threadsafe(_start_cancel_listener(), loop)
         return _loop[1]
 
 
@@ -78,19 +68,61 @@ def run_sync(coro, timeout: float | None = None):
     return asyncio.run_coroutine_threadsafe(coro, runtime_loop()).result(timeout)
 
 
-def _on_cancel(turn_id: str) -> None:
-    task = _running.get(turn_id)
-    if task is not None and not task.done():
-        task.get_loop().call_soon_threadsafe(task.cancel)
+class RunningTurns:
+    """The turns one worker runs on the runtime loop now: their tasks, which its cancel
+    listener reaches (`listen`, `close`), and their publishers, whose output so far its
+    heartbeat stores (`output_so_far`). sessions_app.engine.worker.Worker owns one."""
 
+    def __init__(self) -> None:
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._publishers: dict[str, _Publisher] = {}
+        # Held here because the loop keeps tasks only weakly: a collected listener hears no cancel.
+        self._listener: asyncio.Task | None = None
+        self._closed = False
 
-_cancel_listener: asyncio.Task | None = None
+    def listen(self) -> None:
+        """Start hearing cancel signals (from any thread but the loop's; returns at once)."""
+        asyncio.run_coroutine_threadsafe(self._listen(), runtime_loop())
 
+    async def _listen(self) -> None:
+        if self._listener is None and not self._closed:
+            self._listener = asyncio.get_running_loop().create_task(events.backend().listen_cancels(self.cancel))
 
-async def _start_cancel_listener() -> None:
-    global _cancel_listener
-    # Held here because the loop keeps tasks only weakly: a collected listener hears no cancel.
-    _cancel_listener = asyncio.get_running_loop().create_task(events.backend().listen_cancels(_on_cancel))
+    def close(self) -> None:
+        """Stop hearing cancel signals (its turns have ended)."""
+        self._closed = True
+        listener = self._listener
+        if listener is not None:
+            listener.get_loop().call_soon_threadsafe(listener.cancel)
+
+    def add(self, turn_id: str, task: asyncio.Task | None, publisher: _Publisher) -> None:
+        if task is not None:
+            self._tasks[turn_id] = task
+        self._publishers[turn_id] = publisher
+
+    def remove(self, turn_id: str) -> None:
+        self._tasks.pop(turn_id, None)
+        self._publishers.pop(turn_id, None)
+
+    def __contains__(self, turn_id: object) -> bool:
+        return turn_id in self._tasks
+
+    def cancel(self, turn_id: str) -> None:
+        """A cancel signal: the turn stops where its agent is, if it runs here (any thread)."""
+        task = self._tasks.get(turn_id)
+        if task is not None and not task.done():
+            task.get_loop().call_soon_threadsafe(task.cancel)
+
+    def output_so_far(self, turn_id: str) -> list[dict] | None:
+        """What the running turn's agent produced so far, as `message`-mode events (whole
+        blocks; the last one as far as it got). None: not running here. Called from the
+        heartbeat thread: it shapes a snapshot of the list the loop appends to."""
+        publisher = self._publishers.get(turn_id)
+        if publisher is None:
+            return None
+        shaper = MessageShaper("message")
+        shaped = [out for event in publisher.produced.events() for out in shaper.feed(event)]
+        return shaped + shaper.flush()
 
 
 # --- what services hand the host, and what they get back ------------------------------------
@@ -168,6 +200,7 @@ class _Publisher:
         self._expired_at: float | None = None
         self._yielded: float | None = None
         self.ended = False  # the stream ended without this worker: it writes nothing more
+        self.task: asyncio.Task | None = None  # the turn's, set as it starts (a fence stops it)
 
     def _behind(self) -> bool:
         return (
@@ -250,7 +283,7 @@ class _Publisher:
         self.ended = True
         self._queue = DeltaRuns()
         logger.warning("turn %s was declared lost while it ran here; its agent is stopped", self.turn_id)
-        task = _running.get(self.turn_id)
+        task = self.task
         if task is not None and not task.done():
             task.cancel()
 
@@ -391,15 +424,17 @@ def _log_failure(plan: TurnPlan, exc: BaseException) -> None:
     logger.error("turn %s (agent %s) failed", plan.turn_id, plan.agent_name, exc_info=exc)
 
 
-async def execute(plan: TurnPlan) -> TurnOutcome:
-    """Run one turn (on the runtime loop) and return what services must persist."""
+async def execute(plan: TurnPlan, running: RunningTurns | None = None) -> TurnOutcome:
+    """Run one turn (on the runtime loop) and return what services must persist. `running`:
+    the worker's turns, among which a cancel finds it (none: a turn no cancel reaches)."""
+    running = RunningTurns() if running is None else running
     publisher = _Publisher(plan.turn_id, plan.stream)
     ctx = HostContext(plan, publisher)
     host_tools.CURRENT_TURN.set(ctx)  # server tools that act per tenant or session read it (MCP)
     runtime = runtime_for(plan.runtime_kind)
     task = asyncio.current_task()
-    _running[plan.turn_id] = task
-    _publishers[plan.turn_id] = publisher
+    publisher.task = task
+    running.add(plan.turn_id, task, publisher)
     cancelled, error = False, ""
     stop_reason = "error"
     try:
@@ -426,8 +461,7 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
         _log_failure(plan, exc)
         stop_reason, error = "error", f"The agent failed ({type(exc).__name__})."
     finally:
-        _running.pop(plan.turn_id, None)
-        _publishers.pop(plan.turn_id, None)
+        running.remove(plan.turn_id)
     try:
         await publisher.close()
     except Exception:  # the turn's boundary: its ending is stored in PostgreSQL next
@@ -459,5 +493,5 @@ async def execute(plan: TurnPlan) -> TurnOutcome:
     )
 
 
-def execute_sync(plan: TurnPlan) -> TurnOutcome:
-    return run_sync(tracing.carry(plan, metrics.timed_turn(plan, execute(plan))))
+def execute_sync(plan: TurnPlan, running: RunningTurns) -> TurnOutcome:
+    return run_sync(tracing.carry(plan, metrics.timed_turn(plan, execute(plan, running))))

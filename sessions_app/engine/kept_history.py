@@ -1,5 +1,6 @@
 """A worker's copy of each recent session's compacted history, parsed, so a turn reads and
-parses only the rows its session gained since this process last ran one of its turns.
+parses only the rows its session gained since this worker last ran one of its turns (each
+sessions_app.engine.worker.Worker keeps its own `KeptHistories`).
 
 A kept copy is used only when the rows it was built from are still there, checked with two
 index probes whatever the history's length: the session's first compacted row and its last
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from . import turn_store
 
-SESSIONS_KEPT = 64  # per worker process; a session's copy is at most its compacted history
+SESSIONS_KEPT = 64  # per worker; a session's copy is at most its compacted history
 BEFORE_EVERYTHING = -(2**62)
 
 
@@ -88,6 +89,3 @@ class KeptHistories:
     def clear(self) -> None:
         with self._lock:
             self._kept.clear()
-
-
-kept_histories = KeptHistories()

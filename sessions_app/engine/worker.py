@@ -1,14 +1,14 @@
 """A worker: the threads that take turns from PostgreSQL and run them, and what keeps it known.
 
 `Worker` owns one worker process's part (a Celery worker's, built and started by its
-`worker_ready` signal in hosting.celery and drained at its shutdown; or the embedded mode's,
-inside the web process; a test can make one without either):
+`worker_ready` signal in hosting.celery through `start_worker` and drained at its shutdown;
+or the embedded mode's, inside the web process; a test can make several without either):
 
 - `concurrency` slot threads. A free one claims the next waiting turn in one statement
   (`take`, the one hand-off of a turn to a thread: schedule_store.claim_next), runs it, and
   claims again while turns wait; with nothing to claim it waits for a wake-up (`wake`), and
-  one free thread looks again every AAP_WORKER_POLL_SECONDS, so a lost wake-up costs
-  latency, never a turn;
+  one free thread looks again every AAP_WORKER_POLL_SECONDS (the next free one at once when
+  that finds a turn), so a lost wake-up costs latency, never a turn;
 - on PostgreSQL, a listener thread: the statement that stores a turn notifies
   turn_store.WAKE_CHANNEL, delivered when its transaction commits, and each notification for
   this worker's queue (and not pinned to another worker) is a wake-up. A wake-up that finds
@@ -19,9 +19,15 @@ inside the web process; a test can make one without either):
 - its heartbeat row in PostgreSQL every round, saying how many turns it runs at once (what
   `queued` positions are counted against);
 - a sweep for lost turns every SWEEP_SECONDS on a thread of its own (one worker at a time
-  across the deployment); it reads PostgreSQL only.
+  across the deployment); it reads PostgreSQL only;
+- what it keeps about the turns it runs, handed to each (services.execution.turn_execute):
+  their heartbeats and leases (`liveness`, two threads of its own), their tasks on the
+  runtime loop, which its cancel listener reaches (`running`), and the histories it read
+  (`histories`).
 
-The turns' own heartbeats and leases are sessions_app.engine.liveness's.
+Nothing about turns is kept outside a Worker: two in one process share no turn. The module
+keeps only which Worker is this process's (`start_worker`, `wake_embedded`), for the Celery
+signals and the wake-ups that reach the process.
 """
 
 from __future__ import annotations
@@ -39,11 +45,16 @@ from infra import tracing
 from infra.logs import log_context
 
 from . import execution, recovery, schedule_store, turn_store
+from .host import RunningTurns
+from .kept_history import KeptHistories
+from .liveness import Liveness, interval
 
 logger = logging.getLogger(__name__)
 
 # How often a worker process sweeps for lost turns (recovery.sweep_unless_running).
 SWEEP_SECONDS = 10.0
+# Why a free slot thread looks for waiting turns: a wake-up, or its timer.
+WOKEN, TIMER = "woken", "timer"
 # The wake-up listener: how often it checks that the worker still serves, and how soon it
 # connects again after losing PostgreSQL.
 LISTEN_CHECK_SECONDS = 1.0
@@ -65,8 +76,12 @@ class Worker:
         self._idle = 0  # slot threads waiting for a wake-up
         self._heard = 0  # wake-ups heard so far (a thread compares it with its last look's)
         self._looking = False  # a free thread looks for turns every AAP_WORKER_POLL_SECONDS
+        self._look_now = False  # the next free thread looks on the timer at once (_look_again)
         self._threads: list[threading.Thread] = []
         self._slots: list[threading.Thread] = []
+        self.liveness = Liveness()
+        self.running = RunningTurns()
+        self.histories = KeptHistories()
 
     @property
     def serving(self) -> bool:
@@ -76,6 +91,8 @@ class Worker:
     def start(self) -> None:
         """Say now that this worker's slots are there, then keep saying it and sweeping; its
         slot threads look for waiting turns at once (some may have waited for a worker)."""
+        self.running.listen()
+        self.liveness.start()
         if self.beats:
             if connection.vendor == "postgresql":
                 listener = threading.Thread(target=self._listen_forever, name="aap-wake-listener", daemon=True)
@@ -123,10 +140,17 @@ class Worker:
         finally:
             connection.close()
 
-    def drain(self, timeout: float | None = None) -> None:
-        """Wait for the running turns to end (after `stop`)."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for the running turns to end (after `stop`), each slot for up to `timeout`;
+        then, if they all ended, its turns' heartbeats and cancel listener stop. Whether
+        they all ended."""
         for thread in self._slots:
             thread.join(timeout)
+        if any(thread.is_alive() for thread in self._slots):
+            return False  # the turns still running keep their heartbeats
+        self.liveness.stop()
+        self.running.close()
+        return True
 
     def round(self) -> None:
         """Its heartbeat row."""
@@ -147,46 +171,73 @@ class Worker:
 
     def _serve(self) -> None:
         """A slot thread: claim, run, and claim again while turns wait; else wait to be woken."""
+        look: str | None = WOKEN  # at once: turns may have waited for a worker
+        heard = self._heard
         while self.serving:
-            # Whatever is heard from here on, this look (the claim, or the end of the turn it
-            # claims) may miss; what was heard before, it sees.
-            heard = self._heard
-            taken = self.take()
-            if taken is not None:
-                turn_id, claimed = taken
-                if self._run(turn_id, claimed):
-                    continue  # turns were waiting as it ended
-            connection.close()  # idle: no connection held while nothing runs
-            while not self._wait(heard):
-                if not self.serving:
-                    return
+            taken = None
+            if look:
+                # Whatever is heard from here on, this look (the claim, or the end of the turn
+                # it claims) may miss; what was heard before, it sees.
+                heard = self._heard
+                taken = self.take()
+            if taken is None:
+                connection.close()  # idle: no connection held while nothing runs
+                look = self._wait(heard)
+                continue
+            if look == TIMER:
+                self._look_again()
+            turn_id, claimed = taken
+            look = WOKEN if self._run(turn_id, claimed) else None
 
-    def _wait(self, heard: int) -> bool:
-        """Wait for a wake-up, or, for the one thread that looks on a timer, the next look;
-        `heard`: the wake-ups heard when this thread's last look began. True: look now."""
-        poll = settings.AAP_WORKER_POLL_SECONDS if self.beats else None
+    def _wait(self, heard: int) -> str | None:
+        """Wait for a wake-up (WOKEN), or, for the one free thread that looks on a timer, the
+        next look (TIMER); None once the worker stops. `heard`: the wake-ups heard when this
+        thread's last look began; if one came since, it looks at once. The thread that looks
+        on the timer hands that on to another free thread as it stops waiting (it may take a
+        turn and run it): a turn whose wake-up was lost is found while any thread is free."""
         with self._bell:
             if self._heard != heard:
-                return True  # a turn may have been stored after that look began
-            looking = poll is not None and not self._looking
-            self._looking = self._looking or looking
+                return WOKEN  # a turn may have been stored after that look began
             self._idle += 1
             try:
-                self._bell.wait(poll if looking else None)
+                while self.serving:
+                    poll = settings.AAP_WORKER_POLL_SECONDS if self.beats else None
+                    if self._rung:
+                        self._rung -= 1
+                        return WOKEN
+                    if self._look_now:
+                        self._look_now = False
+                        return TIMER
+                    if poll is None or self._looking:
+                        self._bell.wait()
+                        continue
+                    self._looking = True
+                    try:
+                        timed_out = not self._bell.wait(poll)
+                    finally:
+                        self._looking = False
+                        self._bell.notify()  # another free thread, if one waits, takes the timer on
+                    if timed_out:
+                        return TIMER
+                return None
             finally:
                 self._idle -= 1
-                if looking:
-                    self._looking = False
-            if self._rung:
-                self._rung -= 1
-                return True
-            return looking
+
+    def _look_again(self) -> None:
+        """A look on the timer found a turn: its wake-up was lost, and others' may have been
+        too (wake-ups are lost in bursts: claims that found their turn taken). The next free
+        thread looks at once, not a poll later, and so on while looks find turns."""
+        with self._bell:
+            self._look_now = True
+            self._bell.notify()
 
     def _run(self, turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
         """Run a claimed turn; whether turns were waiting as it ended (then it looks again)."""
         with log_context(turn=turn_id), tracing.continued(claimed.trace_parent):
             try:
-                return execution.turn_execute(turn_id, claimed)
+                return execution.turn_execute(
+                    turn_id, claimed, liveness=self.liveness, running=self.running, histories=self.histories
+                )
             except Exception:
                 # Never raised further: the thread serves on, and the turn, still `running`
                 # with no heartbeat, ends as lost.
@@ -196,9 +247,7 @@ class Worker:
                 close_old_connections()
 
     def _beat_forever(self) -> None:
-        from . import liveness
-
-        while not self._stopped.wait(liveness.interval()):
+        while not self._stopped.wait(interval()):
             try:
                 self.round()
             except Exception:  # the thread's boundary: the next round tries again

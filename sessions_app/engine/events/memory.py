@@ -119,5 +119,9 @@ class MemoryEvents:
         return turn_id in self._cancelled
 
     async def listen_cancels(self, on_cancel: Callable[[str], None]) -> None:
+        """Until cancelled: dispatch cancel signals to `on_cancel` (a worker's running turns)."""
         self._cancel_handlers.append(on_cancel)
-        await asyncio.Event().wait()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self._cancel_handlers.remove(on_cancel)

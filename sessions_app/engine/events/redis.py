@@ -273,10 +273,11 @@ class RedisEvents:
         return bool(await self.aclient().exists(cancel_key(turn_id)))
 
     async def listen_cancels(self, on_cancel: Callable[[str], None]) -> None:
-        """Run forever on the runtime loop: dispatch cancel signals to running turns."""
+        """Until cancelled, on the runtime loop: dispatch cancel signals to `on_cancel` (a
+        worker's running turns)."""
         while True:
+            pubsub = self.aclient().pubsub(ignore_subscribe_messages=True)
             try:
-                pubsub = self.aclient().pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(CANCEL_CHANNEL)
                 async for message in pubsub.listen():
                     if message and message.get("type") == "message":
@@ -286,3 +287,6 @@ class RedisEvents:
             except Exception:  # the listener's boundary: Redis restarts must not kill it
                 logger.warning("cancel listener lost Redis; reconnecting", exc_info=True)
                 await asyncio.sleep(1)
+            finally:
+                with contextlib.suppress(Exception):  # its connection goes back, or is discarded
+                    await pubsub.aclose()

@@ -1,0 +1,122 @@
+"""Workers are objects: two built in one process, without Celery, share no turn. Each runs,
+keeps alive, cancels and drains only the turns it claimed."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ..turn_checks import user, wait_until
+
+
+@pytest.fixture
+def two_workers(monkeypatch):
+    from sessions_app.engine import dispatch
+    from sessions_app.engine.worker import Worker
+
+    first, second = Worker("test-first", 1, beats=False), Worker("test-second", 1, beats=False)
+    # Wake-ups go to the first only: the second looks for turns when it starts, then never.
+    monkeypatch.setattr(dispatch, "wake", lambda node=None: first.wake())
+    first.start()
+    second.start()
+    yield first, second
+    for worker in (first, second):
+        worker.stop()
+        worker.drain(timeout=60)
+
+
+def test_a_worker_drains_only_its_own_turns(engine, demo, two_workers):
+    first, second = two_workers
+    assert first.histories is not second.histories
+    session = demo.create_session("echo")
+    answers: dict = {}
+    client = engine.client("demo")
+    # 600 ticks 100 ms apart: it runs until it is cancelled below.
+    turn = threading.Thread(target=lambda: answers.update(result=client.turn(session, user("/slow 600 100"))))
+    turn.start()
+    try:
+        (turn_id,) = wait_until(first.liveness.tracked, message="the first worker to run the turn")
+        assert turn_id in first.running
+        assert second.liveness.tracked() == [] and turn_id not in second.running
+
+        second.stop()
+        assert second.drain(timeout=60)  # it ran nothing: drained while the first's turn runs
+        assert first.liveness.tracked() == [turn_id] and turn_id in first.running
+
+        cancel = demo.post(f"/v1/sessions/{session}/turns/{turn_id}/cancel")  # the first worker hears it
+        assert cancel.status_code == 202, cancel.text
+        turn.join(60)
+        assert answers["result"].body["_meta"]["cancelled"] is True
+        wait_until(lambda: not first.liveness.tracked(), message="the first worker to let the turn go")
+        assert turn_id not in first.running
+        first.stop()
+        assert first.drain(timeout=60)
+    finally:
+        turn.join(60)
+        client.close()
+
+
+def test_a_free_thread_finds_turns_whose_wake_up_was_lost(engine, demo, monkeypatch, settings):
+    """The thread that looks for turns on a timer takes one and runs it: another free thread
+    looks on the timer from then on, and finds a turn no wake-up announced."""
+    from sessions_app.engine import dispatch
+    from sessions_app.engine.worker import Worker
+
+    settings.AAP_WORKER_POLL_SECONDS = 0.2
+    monkeypatch.setattr(dispatch, "wake", lambda node=None: None)  # every wake-up is lost
+    worker = Worker("test-looking", 2)
+    worker.start()
+    session, other = demo.create_session("echo"), demo.create_session("echo")
+    client, answers, turns = engine.client("demo"), [], []
+    try:
+        for sid in (session, other):
+            # 6,000 ticks 100 ms apart: each runs until it is cancelled at the end.
+            turn = threading.Thread(target=lambda sid=sid: answers.append(client.turn(sid, user("/slow 6000 100"))))
+            turn.start()
+            turns.append(turn)
+            wait_until(lambda: len(worker.liveness.tracked()) == len(turns), message=f"{len(turns)} turns found")
+    finally:
+        for turn_id in worker.liveness.tracked():
+            worker.running.cancel(turn_id)
+        for turn in turns:
+            turn.join(60)
+        worker.stop()
+        worker.drain(timeout=60)
+        client.close()
+    assert [answer.body["_meta"]["cancelled"] for answer in answers] == [True, True]
+
+
+def test_a_turn_found_on_the_timer_has_the_next_free_thread_look_at_once(engine, settings):
+    """Wake-ups are lost in bursts: once a look on the timer finds a turn, free threads look
+    one after the other until a look finds none, rather than one a timer later."""
+    from sessions_app.engine.worker import Worker
+
+    settings.AAP_WORKER_POLL_SECONDS = 0.2
+    worker = Worker("test-chain", 3)
+    waiting: list[str] = []
+    looks, taken = [], []
+    lock, release = threading.Lock(), threading.Event()
+
+    def take():
+        with lock:
+            looks.append(threading.current_thread().name)
+            return (waiting.pop(0), None) if waiting else None
+
+    def run(turn_id, claimed):
+        taken.append(turn_id)
+        release.wait(60)
+        return False
+
+    worker.take, worker._run = take, run  # turns without PostgreSQL: only how threads look is shown
+    worker.start()
+    try:
+        wait_until(lambda: len(looks) >= 3, message="every thread's first look")
+        with lock:
+            waiting.extend(["a", "b", "c"])  # no wake-up for any of them
+            settings.AAP_WORKER_POLL_SECONDS = 3600.0  # a look on a timer that starts now never comes
+        wait_until(lambda: len(taken) == 3, message="the three turns taken")
+    finally:
+        release.set()
+        worker.stop()
+        worker.drain(timeout=60)
