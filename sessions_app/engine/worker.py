@@ -272,7 +272,9 @@ class Worker:
                     if failing:
                         logger.warning("wake-ups from PostgreSQL are heard again")
                         failing = False
-                    self.wake()  # turns stored while nothing listened
+                    # Turns stored while nothing listened, as many as there are: looked
+                    # for as the timer does, each find making the next free thread look.
+                    self._look_again()
                     while self.serving:
                         for note in conn.notifies(timeout=LISTEN_CHECK_SECONDS):
                             if self._for_me(note.payload):
