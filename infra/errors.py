@@ -96,7 +96,10 @@ def _view_name(context: dict) -> str:
 def _request_ids(context: dict) -> dict[str, str]:
     """The tenant, session and turn a failed API request was about, for its log line."""
     kwargs = context.get("kwargs") or {}
-    tenant = getattr(getattr(getattr(context.get("request"), "user", None), "tenant", None), "name", None)
+    # The user DRF set on the underlying request once authentication succeeded: reading
+    # `request.user` would authenticate again (a query) when authentication is what failed.
+    user = getattr(getattr(context.get("request"), "_request", None), "user", None)
+    tenant = getattr(getattr(user, "tenant", None), "name", None)
     ids = {"tenant": tenant, "session": kwargs.get("session_id"), "turn": kwargs.get("turn_id")}
     return {key: str(value) for key, value in ids.items() if value}
 

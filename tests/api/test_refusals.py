@@ -165,3 +165,23 @@ def test_an_idempotency_key_reused_with_another_request_is_a_422(api):
         "This Idempotency-Key was already used with a different request; send a new key for a new request."
     )
     assert own_sessions().count() == 1
+
+
+def test_a_database_failure_while_authenticating_answers_503_not_500(api, monkeypatch):
+    """PostgreSQL restarting under the token lookup: the error handler must not authenticate
+    again (another query) to name the tenant in its log line, which made it a 500."""
+    from django.db import OperationalError
+
+    from tenancy import authentication
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(args)
+        raise OperationalError("the connection is closed")
+
+    monkeypatch.setattr(authentication, "_active_row", broken)
+    response = api.post("/v1/sessions", {"agent": {"name": "echo"}})
+    assert_refusal(response, 503)
+    assert response["Retry-After"]
+    assert len(calls) == 1
