@@ -1,7 +1,8 @@
 # aap-hosting: developer entry points. Everything runs from the repo's .venv.
 #
 #   make run                 migrate, seed the demo tenant when absent, serve on 127.0.0.1:8000
-#   make test [ARGS=...]     the suite against PostgreSQL + Redis (throwaway servers when none answer)
+#   make test [ARGS=...]     the suite (throwaway PostgreSQL + Redis): the in-process tiers measured
+#                            against the coverage floor, then the process tiers on TEST_WORKERS workers
 #   make test-fast           the unit, API and turns tiers (in process, no servers of its own, two workers)
 #   make coverage            the same tiers measured: the report, and the floor it must keep
 #   make lint                ruff (lint + format check), mypy against its baseline, the import layers
@@ -45,6 +46,15 @@ PYTEST_ARGS ?= $(ARGS)
 FULL        ?=
 CELERY_CONCURRENCY ?= 16
 FAST_WORKERS ?= 2
+# pytest-xdist workers for the process tiers (e2e, sandbox, real; and `make test ARGS=...`):
+# their time goes mostly to waiting on servers, so more workers than cores. Each worker has a
+# test database, Redis databases and Daphne + Celery stacks of its own; a module's tests stay
+# on one worker (--dist loadfile), so its module-scoped stack starts once. 0: in this process.
+TEST_WORKERS ?= 4
+# The tiers that run in process (no server of their own), and the ones that start processes.
+IN_PROCESS   := tests/unit tests/api tests/turns sdk/tests
+PROCESS_TIERS := tests/e2e tests/sandbox tests/real
+COVERAGE     := --cov --cov-report=term-missing:skip-covered
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install install-test run test test-fast coverage lint mypy mypy-baseline lock chaos bench migrate seed worker clean
@@ -113,15 +123,24 @@ install-test: $(TEST_STAMP) $(OPENCODE_STAMP) $(MCP_FILESYSTEM_STAMP) $(LLAMA_ST
 run: $(STAMP)
 	scripts/run.sh
 
+# Without ARGS: the in-process tiers once, measured (the coverage floor fails the run), then the
+# process tiers; both run even when the first fails. With ARGS: those tests, in parallel.
 test: $(TEST_STAMP) $(OPENCODE_STAMP) $(MCP_FILESYSTEM_STAMP) $(LLAMA_STAMP)
-	scripts/test.sh $(PYTEST_ARGS)
+ifeq ($(strip $(PYTEST_ARGS)),)
+	@rc=0; \
+	scripts/test.sh -n $(FAST_WORKERS) $(COVERAGE) $(IN_PROCESS) || rc=1; \
+	scripts/test.sh -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PROCESS_TIERS) || rc=1; \
+	exit $$rc
+else
+	scripts/test.sh -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+endif
 
 # tests/unit (no I/O), tests/api (the Django stack in process, on PostgreSQL), tests/turns
 # (the ASGI app in process, its turns run by the embedded engine) and sdk/tests, on
 # FAST_WORKERS pytest-xdist workers (0: in this process), each with a test database and a
 # Redis database of its own.
 test-fast: $(TEST_STAMP)
-	scripts/test.sh -n $(FAST_WORKERS) tests/unit tests/api tests/turns sdk/tests $(PYTEST_ARGS)
+	scripts/test.sh -n $(FAST_WORKERS) $(IN_PROCESS) $(PYTEST_ARGS)
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
@@ -153,7 +172,7 @@ LOCK_FLAGS  := --quiet --strip-extras --generate-hashes --unsafe-package aap-cli
 # The in-process tiers' coverage: the report, and the floor on the services, the turn engine and
 # the views ([tool.coverage.report] in pyproject.toml).
 coverage: $(TEST_STAMP)
-	scripts/test.sh -n $(FAST_WORKERS) --cov --cov-report=term-missing:skip-covered tests/unit tests/api tests/turns $(PYTEST_ARGS)
+	scripts/test.sh -n $(FAST_WORKERS) $(COVERAGE) $(IN_PROCESS) $(PYTEST_ARGS)
 
 lock: $(TEST_STAMP)
 	rm -rf $(LOCK_WHEELS)

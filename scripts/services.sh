@@ -32,7 +32,9 @@
 # AAP_SERVICES_USER (non-root user that runs a throwaway PostgreSQL when run as root;
 # default postgres, else nobody), AAP_SERVICES_QUIET=1, AAP_SERVICES_OWN_REDIS=1 (with
 # REDIS_URL unset: always start a throwaway Redis on a free port, so nothing touches a Redis
-# someone else uses; the suite and the bench do this).
+# someone else uses; the suite and the bench do this), AAP_SERVICES_OWN_POSTGRES=1 (with
+# DATABASE_URL unset: the same for PostgreSQL; the suite does this, so its parallel workers
+# never compete with another checkout for a shared server's connections).
 
 # shellcheck disable=SC2154  # the _aap_u_* variables are assigned by eval of `_aap_py info`
 
@@ -316,7 +318,7 @@ _aap_start_postgres() {
 listen_addresses = '127.0.0.1'
 port = $port
 unix_socket_directories = '$AAP_SERVICES_DIR/pgrun'
-max_connections = 300
+max_connections = 600
 fsync = off
 synchronous_commit = off
 full_page_writes = off
@@ -337,8 +339,9 @@ _aap_start_redis() {
     _aap_make_tmpdir || { _aap_err "cannot create a temporary directory"; return 1; }
     port=$(_aap_py port "$_aap_u_port") || { _aap_err "no free TCP port on 127.0.0.1"; return 1; }
     log="$AAP_SERVICES_DIR/redis.log"
+    # 64 databases: the suite's parallel workers and their side stacks each take their own.
     args=(--bind 127.0.0.1 --port "$port" --save '' --appendonly no --daemonize no
-          --dir "$AAP_SERVICES_DIR" --logfile "$log")
+          --dir "$AAP_SERVICES_DIR" --logfile "$log" --databases 64)
     if [[ -n "$_aap_u_user" && "$_aap_u_user" != default ]]; then
         args+=(--user "$_aap_u_user" on ">$_aap_u_password" '~*' '&*' '+@all')
     elif [[ -n "$_aap_u_password" ]]; then
@@ -453,6 +456,11 @@ aap_services_up() {
         elif command -v python3 >/dev/null 2>&1; then _aap_python=python3
         else _aap_err "python3 is needed to probe the services (sudo apt-get install python3)"; return 1
         fi
+    fi
+    if [[ -z "${DATABASE_URL:-}" && "${AAP_SERVICES_OWN_POSTGRES:-0}" == 1 && $mode != check ]]; then
+        local own_pg_port
+        own_pg_port=$(_aap_py port 0) || { _aap_err "no free TCP port on 127.0.0.1"; return 1; }
+        export DATABASE_URL="postgres://postgres@127.0.0.1:$own_pg_port/aap"
     fi
     export DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/aap}
     if [[ -z "${REDIS_URL:-}" && "${AAP_SERVICES_OWN_REDIS:-0}" == 1 && $mode != check ]]; then

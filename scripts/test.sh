@@ -6,13 +6,15 @@
 #   make test ARGS='-m "not e2e"'
 #
 # Safe beside anything else on the machine (another checkout's suite, `make run`):
-# - PostgreSQL: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/aap, a throwaway
-#   server when nothing answers) only hosts the test database, whose name is unique to this
-#   run (DATABASE_TEST_NAME, default test_aap_<checkout>_<pid>); pytest-django creates and
-#   drops it.
+# - PostgreSQL: unless DATABASE_URL is given, the suite starts a throwaway server of its own
+#   (fsync off) on a free port and stops it at the end. A DATABASE_URL you give only hosts the
+#   test databases, whose names are unique to this run (DATABASE_TEST_NAME, default
+#   test_aap_<checkout>_<pid>, and `_gw<n>` after it for each pytest-xdist worker);
+#   pytest-django creates and drops them.
 # - Redis: unless REDIS_URL is given, the suite starts a throwaway redis-server of its own on a
 #   free port and stops it at the end. A REDIS_URL you give must be a database reserved for
-#   the suite: it is used as is and never flushed.
+#   the suite: it is used as is and never flushed. Under pytest-xdist each worker takes the
+#   databases after it (tests/conftest.py), so it must have them (a throwaway has 64).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -38,7 +40,9 @@ export DEBUG=0
 unset OPENAI_API_KEY OPENAI_BASE_URL OPENAI_MODEL OPENAI_ORG_ID OPENAI_PROJECT_ID
 
 # --- PostgreSQL and Redis (exports DATABASE_URL, REDIS_URL; stops throwaways on exit) --
-export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/aap}"
+if [[ -z "${DATABASE_URL:-}" ]]; then
+    export AAP_SERVICES_OWN_POSTGRES=1
+fi
 checkout_id=$(printf '%s' "$ROOT" | cksum | cut -d' ' -f1)
 export DATABASE_TEST_NAME="${DATABASE_TEST_NAME:-test_aap_${checkout_id}_$$}"
 # The suite only needs the server: no database is created for DATABASE_URL's own name.

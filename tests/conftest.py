@@ -165,8 +165,35 @@ def other(pg_stack):
 TIERS = ("unit", "api", "turns", "e2e", "sandbox", "real", "chaos")
 SDK_TESTS = ROOT / "sdk" / "tests"
 
+# The modules that take longest, longest first: under pytest-xdist (`--dist loadfile` hands
+# out whole modules in collection order) they start first, so no worker begins one of them
+# while the others are running out of work. A module missing here runs after them.
+LONGEST_FIRST = (
+    "real/test_llama_cpp.py",
+    "e2e/test_acp_agent.py",
+    "e2e/test_limits.py",
+    "e2e/test_mcp_tools.py",
+    "e2e/test_compose.py",
+    "e2e/test_fairness.py",
+    "e2e/test_acp_agentao.py",
+    "e2e/test_metrics.py",
+    "real/test_opencode.py",
+    "e2e/test_schemathesis.py",
+    "e2e/test_recovery.py",
+    "e2e/test_reattach_cancel.py",
+    "e2e/test_make_run.py",
+)
+
+
+def _longest_first(items) -> None:
+    tests = ROOT / "tests"
+    rank = {tests / name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: a module keeps its order
+
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _longest_first(items)
     tests = ROOT / "tests"
     for item in items:
         if SDK_TESTS in item.path.parents:

@@ -94,6 +94,14 @@ def worker_argv(node: str, threads: int) -> list[str]:
     ]  # fmt: skip
 
 
+def side_redis_db(index: int) -> int:
+    """The Redis database of a side stack (metrics, tracing, /try/, compose: `index` 0-3),
+    apart from the suite's: 5-8 in a single process; under pytest-xdist 16 + 4 per worker,
+    above the workers' own (tests/conftest.py), so parallel workers never share one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return 5 + index if not worker else 16 + 4 * int(worker.removeprefix("gw")) + index
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -55,10 +55,11 @@ def digest(data: bytes | str) -> str:
 
 
 def service_targets(stack: Stack) -> list[tuple[str, int]]:
-    """PostgreSQL, Redis and the service's own port, as host and port."""
+    """The suite's PostgreSQL, Redis and the service's own port, as host and port."""
+    database = urlsplit(stack.env["DATABASE_URL"])
     redis = urlsplit(stack.env["REDIS_URL"])
     web = urlsplit(stack.base_url)
-    return [("127.0.0.1", 5432), (redis.hostname, redis.port), (web.hostname, web.port)]
+    return [(database.hostname, database.port or 5432), (redis.hostname, redis.port), (web.hostname, web.port)]
 
 
 def connect_probe(targets: list[tuple[str, int]], *, egress: str | None = None, unix: tuple[str, ...] = ()) -> str:

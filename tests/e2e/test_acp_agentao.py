@@ -167,10 +167,11 @@ def test_the_attack_chain_replayed_with_agentao_gets_nothing(pg_stack, fake, cli
     key.chmod(0o600)
     escape = Path("/tmp") / f"escape-{uuid.uuid4().hex}"
     redis = urlsplit(pg_stack.env["REDIS_URL"])
+    database = urlsplit(pg_stack.env["DATABASE_URL"])
     connect = (
-        "import socket\nfor port in (5432, %d, %d):\n    try:\n        socket.create_connection(('127.0.0.1', port), 5)"
+        "import socket\nfor port in (%d, %d, %d):\n    try:\n        socket.create_connection(('127.0.0.1', port), 5)"
         "\n        print('CONN' + 'ECTED', port)\n    except OSError as exc:\n        print('no', port, exc)\n"
-        % (redis.port, urlsplit(pg_stack.base_url).port)
+        % (database.port or 5432, redis.port, urlsplit(pg_stack.base_url).port)
     )
     script = (
         "W=$(cut -d' ' -f4 /proc/$PPID/stat); echo uid=$(id -u); cat /etc/shadow; "

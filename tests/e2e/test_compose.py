@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from ..support import BIN, PYTHON, ROOT, free_port, log_message
+from ..support import BIN, PYTHON, ROOT, free_port, log_message, side_redis_db
 from ..unit.test_compose_files import compose, default_of
 
 
@@ -149,7 +149,8 @@ def deployment(tmp_path_factory, log_dir):
     role, password = f"aap_worker_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
     database = urlsplit(urlunsplit(urlsplit(server)._replace(path="/" + name)))
     worker_url = urlunsplit(database._replace(netloc=f"{role}:{password}@{database.hostname}:{database.port or 5432}"))
-    redis_url = urlunsplit(urlsplit(os.environ["REDIS_URL"])._replace(path="/7"))  # apart from the suite's queues
+    # A Redis database apart from the suite's queues.
+    redis_url = urlunsplit(urlsplit(os.environ["REDIS_URL"])._replace(path=f"/{side_redis_db(3)}"))
     var = tmp_path_factory.mktemp("deploy-var")
     (var / "config").mkdir()
     port = free_port()

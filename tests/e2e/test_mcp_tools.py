@@ -80,7 +80,7 @@ def mcp_stack(pg_stack, model, http_probe):
                         "args": [PROBE],
                         "readPaths": [str(ROOT / "tests" / "fakes")],
                         "isolation": "tenant",
-                        "idleSeconds": 4,
+                        "idleSeconds": 8,
                     },
                     {
                         "name": "web",

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fakes.openai_server import FakeOpenAI
 
-from ..support import ROOT, llm_agent
+from ..support import ROOT, llm_agent, side_redis_db
 from .observed import METRICS_TOKEN, new_tenant, observed_stack
 
 pytestmark = pytest.mark.e2e
@@ -42,7 +42,7 @@ def metered(pg_stack, log_dir, tmp_path_factory, fake_llm):
         log_dir,
         "metered",
         {"AAP_METRICS": "token", "AAP_METRICS_TOKEN": METRICS_TOKEN, "PROMETHEUS_MULTIPROC_DIR": str(directory)},
-        redis_db=5,
+        redis_db=side_redis_db(0),
     )
     stack.metrics_dir = directory
     yield stack

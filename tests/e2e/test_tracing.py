@@ -9,7 +9,7 @@ import pytest
 
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.otlp_collector import OtlpCollector
-from tests.support import llm_agent
+from tests.support import llm_agent, side_redis_db
 
 from .observed import observed_stack
 
@@ -45,7 +45,7 @@ def traced(pg_stack, log_dir, collector, fake_llm):
             "OTEL_SERVICE_NAME": "aap-hosting-test",
             "OTEL_BSP_SCHEDULE_DELAY": "200",
         },
-        redis_db=6,
+        redis_db=side_redis_db(1),
     )
     yield stack
     stack.stop()

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from ..support import ROOT
+from ..support import ROOT, side_redis_db
 from .observed import observed_stack
 
 pytestmark = pytest.mark.e2e
@@ -21,7 +21,7 @@ STOPS = "[data-testid=stop]"
 
 @pytest.fixture(scope="module")
 def try_stack(pg_stack, log_dir):
-    stack = observed_stack(pg_stack, log_dir, "try", {"AAP_TRY_PAGE": "true"}, redis_db=7)
+    stack = observed_stack(pg_stack, log_dir, "try", {"AAP_TRY_PAGE": "true"}, redis_db=side_redis_db(2))
     yield stack
     stack.stop()
 

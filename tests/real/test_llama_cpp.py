@@ -91,8 +91,12 @@ def llama(tmp_path_factory):
             str(port),
             "--n_ctx",
             str(CONTEXT),
+            # One thread each: the suite's other workers share the machine's cores, and
+            # llama.cpp's threads spin at each barrier while one of them waits for a core.
             "--n_threads",
-            "2",
+            "1",
+            "--n_threads_batch",
+            "1",
             # By default a new request interrupts the running stream (it then ends without a
             # finish reason): concurrent turns queue instead.
             "--interrupt_requests",
