@@ -19,7 +19,7 @@ django_asgi = get_asgi_application()
 
 from infra.handlers import ApiHandler, PathRouter  # noqa: E402
 from sessions_app.api.v2.stream import V2TurnShaper  # noqa: E402
-from sessions_app.engine.streaming import TurnStreamHandoff  # noqa: E402  (needs Django set up)
+from sessions_app.engine.stream import TurnStreamHandoff  # noqa: E402  (needs Django set up)
 
 application = ProtocolTypeRouter(
     {"http": V2TurnShaper(TurnStreamHandoff(ASGIStaticFilesHandler(PathRouter(ApiHandler(), django_asgi))))}

@@ -168,7 +168,7 @@ def acp_process_killed() -> None:
 
 
 async def relayed(body, *, mode: str, after: int):
-    """Wrap a turn response's body (streaming.TurnStreamHandoff): open streams, events
+    """Wrap a turn response's body (stream.TurnStreamHandoff): open streams, events
     written, and the time to the first agent event for a client attached from the start."""
     kind = "none" if mode == "none" else "sse"
     gauge = OPEN_STREAMS.labels(kind)

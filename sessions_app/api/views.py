@@ -13,7 +13,7 @@ from rest_framework.views import APIView
 from agents.selectors import agent_info, agents_for_tenant
 from infra.service_errors import BadRequest, NotFound
 from sessions_app.engine import events
-from sessions_app.engine.streaming import turn_response
+from sessions_app.engine.stream import turn_response
 from tenancy.authentication import (
     BearerTokenAuthentication,
     EventsTicketAuthentication,

@@ -1,4 +1,4 @@
-"""Turn bodies in v2-era shape: the same stream as v3's (streaming.TurnStreamHandoff), reshaped
+"""Turn bodies in v2-era shape: the same stream as v3's (stream.TurnStreamHandoff), reshaped
 on its way out.
 
 A `/v2/` view marks its turn response with MARKER_HEADER (the new session's id for

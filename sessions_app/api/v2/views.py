@@ -14,7 +14,7 @@ from rest_framework.views import APIView
 from infra.errors import json_error
 from infra.service_errors import BadRequest
 from sessions_app import protocol
-from sessions_app.engine.streaming import HANDOFF_HEADER, turn_response
+from sessions_app.engine.stream import HANDOFF_HEADER, turn_response
 from tenancy.authentication import turn_events_ticket
 
 from .. import selectors
