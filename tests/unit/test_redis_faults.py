@@ -54,8 +54,7 @@ def test_a_follower_sends_an_event_published_twice_once(monkeypatch):
     import contextlib
 
     from sessions_app.engine import events
-    from sessions_app.engine.events.entries import Entries
-    from sessions_app.engine.events.watcher import Watcher
+    from sessions_app.engine.events.base import Entries, Watcher
 
     start, a, b, stop = (
         {"event": "turn_start"},
@@ -89,7 +88,7 @@ def test_a_follower_sends_an_event_published_twice_once(monkeypatch):
 def test_a_follower_reads_a_long_stream_in_rounds_sized_by_bytes():
     """A follower replaying a stream asks for few entries at first, more while they are
     small, and few again once they are large: it holds about one round, never the turn."""
-    from sessions_app.engine.events.entries import MAX_COUNT, MIN_COUNT, ROUND_BYTES, Entries, next_count
+    from sessions_app.engine.events.base import MAX_COUNT, MIN_COUNT, ROUND_BYTES, Entries, next_count
 
     def read(n: int, size: int) -> Entries:
         entries = Entries([(i, {}) for i in range(n)])
@@ -111,8 +110,7 @@ def test_a_follower_goes_on_reading_after_a_full_round(monkeypatch):
     import contextlib
 
     from sessions_app.engine import events
-    from sessions_app.engine.events.entries import Entries
-    from sessions_app.engine.events.watcher import Watcher
+    from sessions_app.engine.events.base import Entries, Watcher
 
     stream = [(1, {"event": "turn_start"})]
     stream += [(i, {"event": "text_delta", "delta": "x" * 100_000}) for i in range(2, 40)]

@@ -18,8 +18,7 @@ from functools import cache
 
 from infra import redis_connections
 
-from .entries import MIN_COUNT, next_count
-from .fence import StreamEnded
+from .base import MIN_COUNT, StreamEnded, next_count
 from .memory import MemoryEvents
 from .redis import RedisEvents
 
@@ -67,7 +66,7 @@ async def follow(turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0) ->
         if after and await reader_has_the_stop():
             return
         read = True  # the stream is read to replay, to fill a gap, and when woken without events
-        count = MIN_COUNT  # entries per read, grown while they are small (entries.next_count)
+        count = MIN_COUNT  # entries per read, grown while they are small (base.next_count)
         while True:
             woken = watcher.wake.is_set()
             watcher.wake.clear()  # before reading: a publication during the read is not lost

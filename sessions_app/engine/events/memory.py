@@ -10,9 +10,7 @@ from collections.abc import Callable
 
 from django.conf import settings
 
-from .entries import Entries
-from .fence import StreamEnded
-from .watcher import Watcher
+from .base import Entries, StreamEnded, Watcher
 
 
 class _MemoryLog:

@@ -17,20 +17,41 @@ from django.conf import settings
 
 from infra.redis_connections import RedisConnections
 
-from .entries import Entries
-from .fence import StreamEnded
-from .keys import (
-    CANCEL_CHANNEL,
-    cancel_key,
-    ended_key,
-    lease_key,
-    live_stream_ttl,
-    notify_channel,
-    stream_key,
-)
-from .watcher import Watcher
+from .base import Entries, StreamEnded, Watcher
 
 logger = logging.getLogger(__name__)
+
+# --- the Redis keys and channels of a turn's live events, end fence, lease, dispatch mark and
+# cancel flag ---
+
+CANCEL_CHANNEL = "aap:cancel"
+
+
+def live_stream_ttl() -> int:
+    """How long a running turn's stream (and its cancel flag) is kept: longer than any turn."""
+    return settings.AAP_LIVE_EVENTS_TTL_SECONDS
+
+
+def stream_key(turn_id: str) -> str:
+    return f"aap:ev:{turn_id}"
+
+
+def ended_key(turn_id: str) -> str:
+    """Set with a turn's `turn_stop`: its stream takes no event after that (the fence)."""
+    return f"aap:end:{turn_id}"
+
+
+def lease_key(turn_id: str) -> str:
+    return f"aap:lease:{turn_id}"
+
+
+def cancel_key(turn_id: str) -> str:
+    return f"aap:cancel:{turn_id}"
+
+
+def notify_channel(turn_id: str) -> str:
+    return f"aap:evn:{turn_id}"
+
 
 # KEYS: the stream, its end fence, the turn's lease. ARGV: the notify channel, the stream's
 # expiry in seconds (0: leave it), 1 if this write ends the stream, the publication, then
