@@ -21,11 +21,10 @@ from infra.logs import bind_log_context
 
 from ..models import Turn
 from ..protocol import dumps, unstorable
-from . import events, host, turn_store
-from .endings import LOST_ERROR, publish_stop, publish_stop_if_missing
-from .history import apply_compaction
+from . import events, host, store
 from .kept_history import KeptHistories
 from .liveness import Liveness
+from .store import LOST_ERROR, apply_compaction, publish_stop, publish_stop_if_missing
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ class _Compacted:
 
 
 def _plan(
-    turn_id: str, claimed: turn_store.ClaimedTurn, session: turn_store.TurnSession, histories: KeptHistories
+    turn_id: str, claimed: store.ClaimedTurn, session: store.TurnSession, histories: KeptHistories
 ) -> tuple[host.TurnPlan, _Compacted]:
     agent = agent_definition(session.agent_id, session.agent_revision)
     seqs, messages, incoming = histories.load(claimed.session_pk, turn_id)
@@ -129,7 +128,7 @@ def _output_json(running: host.RunningTurns, turn_id: str) -> str | None:
 
 def turn_execute(
     turn_id: str,
-    claimed: turn_store.ClaimedTurn,
+    claimed: store.ClaimedTurn,
     *,
     liveness: Liveness,
     running: host.RunningTurns,
@@ -153,9 +152,9 @@ def turn_execute(
 
 
 def _execute_claimed(
-    turn_id: str, claimed: turn_store.ClaimedTurn, running: host.RunningTurns, histories: KeptHistories
+    turn_id: str, claimed: store.ClaimedTurn, running: host.RunningTurns, histories: KeptHistories
 ) -> bool:
-    session = claimed.session or _with_db_retry(turn_store.session_for_turn, claimed.session_pk)
+    session = claimed.session or _with_db_retry(store.session_for_turn, claimed.session_pk)
     if session is None:
         return True
     bind_log_context(tenant=session.tenant_name, session=session.public_id)
@@ -214,7 +213,7 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
     with transaction.atomic():
         # The lock order of every transaction on a session and its turns: the session first
         # (a delete holding it and waiting for this turn's row would otherwise deadlock).
-        turn_store.lock_session_row(session_pk)
+        store.lock_session_row(session_pk)
         ended = _end_turn(turn_id, outcome)
         if not ended:
             # Deleted with its session, a retry whose first commit went through, or a turn
@@ -226,7 +225,7 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
             transaction.on_commit(lambda: publish_stop_if_missing(turn_id))
             return True
         others_waiting = ended.others_waiting
-        last = turn_store.close_turn_on_session(
+        last = store.close_turn_on_session(
             session_pk,
             added=len(outcome.messages),
             pending_calls=outcome.pending_calls,
@@ -236,7 +235,7 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
         if last is None:
             return others_waiting
         first = last - len(outcome.messages) + 1
-        seqs = turn_store.insert_messages(session_pk, first, outcome.messages, turn_id=turn_id)
+        seqs = store.insert_messages(session_pk, first, outcome.messages, turn_id=turn_id)
         if outcome.compaction is not None:
             apply_compaction(session_pk, last, compacted.then(seqs, outcome.messages), outcome.compaction)
         meta = dict(outcome.stop_meta)
@@ -248,9 +247,9 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
     return others_waiting
 
 
-def _end_turn(turn_id: str, outcome: host.TurnOutcome) -> turn_store.EndedTurn | None:
-    """running -> done with the outcome's stop reason, error and usage (turn_store.end_turn)."""
-    return turn_store.end_turn(
+def _end_turn(turn_id: str, outcome: host.TurnOutcome) -> store.EndedTurn | None:
+    """running -> done with the outcome's stop reason, error and usage (store.end_turn)."""
+    return store.end_turn(
         turn_id,
         stop_reason=outcome.stop_reason,
         cancelled=outcome.cancelled,

@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from . import turn_store
+from . import store
 
 SESSIONS_KEPT = 64  # per worker; a session's copy is at most its compacted history
 BEFORE_EVERYTHING = -(2**62)
@@ -59,11 +59,11 @@ class KeptHistories:
             kept = self._kept.pop(session_pk, None)
         start = None
         if kept is not None:
-            first, last, new = turn_store.compacted_history_after(session_pk, kept.seqs[-1])
+            first, last, new = store.compacted_history_after(session_pk, kept.seqs[-1])
             start = kept.start_of(first, last)
         if kept is None or start is None:
             kept, start = None, 0
-            _, _, new = turn_store.compacted_history_after(session_pk, BEFORE_EVERYTHING)
+            _, _, new = store.compacted_history_after(session_pk, BEFORE_EVERYTHING)
         seqs = list(kept.seqs[start:]) if kept else []
         messages = list(kept.messages[start:]) if kept else []
         turns = list(kept.turns[start:]) if kept else []

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from django.conf import settings
 from django.db import connection
 
-from . import events, turn_store
+from . import events, store
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Liveness:
             if text and text != self._last_partial.get(turn_id):
                 partials[turn_id] = text
         try:
-            turn_store.heartbeat(list(running), partials)
+            store.heartbeat(list(running), partials)
             with self._lock:
                 # Only turns still tracked: one untracked meanwhile keeps no entry behind.
                 self._last_partial.update({t: text for t, text in partials.items() if t in self._running})

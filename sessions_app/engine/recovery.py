@@ -16,8 +16,7 @@ from infra.outages import OUTAGE_ERRORS
 from ..models import IdempotencyKey, Session, Turn
 from ..protocol import fold
 from . import dispatch, events
-from .endings import LOST_ERROR, publish_stop, publish_stop_if_missing
-from .history import append_messages
+from .store import LOST_ERROR, append_messages, publish_stop, publish_stop_if_missing
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from django.db import connection
 from django.utils import timezone
 
 from ..models import Turn, Worker
-from . import turn_store
-from .turn_store import TENANT, S, T, _now, waiting
+from . import store
+from .store import TENANT, S, T, _now, waiting
 
 W = Worker._meta.db_table
 _ACTIVE = f"t.status IN ('{Turn.QUEUED}', '{Turn.RUNNING}')"
@@ -107,16 +107,14 @@ _CLAIM = (
     f"ON r.id = q.id WHERE q.status = '{Turn.QUEUED}' ORDER BY r.share, r.created_at, r.id LIMIT 1 "
     f"FOR UPDATE OF q SKIP LOCKED), "
     f"claimed AS (UPDATE {T} SET status = '{Turn.RUNNING}', started_at = %s, heartbeat_at = %s "
-    f"WHERE id = (SELECT id FROM pick) AND status = '{Turn.QUEUED}' RETURNING id, {turn_store.CLAIMED_COLUMNS})"
+    f"WHERE id = (SELECT id FROM pick) AND status = '{Turn.QUEUED}' RETURNING id, {store.CLAIMED_COLUMNS})"
 )
 # How many of the fair order's first turns one claim may skip (taken by threads claiming at
 # the same instant) before it reads the order again.
 _PICKS = 8
 
 
-def claim_next(
-    node: str, default_max_running: int, pinned_before: datetime
-) -> tuple[str, turn_store.ClaimedTurn] | None:
+def claim_next(node: str, default_max_running: int, pinned_before: datetime) -> tuple[str, store.ClaimedTurn] | None:
     """The one hand-off of a turn to a worker thread: claim the waiting turn the fair order
     gives the slot of a thread of worker `node`, with its session; None when none may start
     now. Only turns of this process's queue (AAP_TURN_QUEUE). A turn pinned to another worker is taken once it was accepted before `pinned_before`."""
@@ -125,17 +123,17 @@ def claim_next(
     pinned = connection.ops.adapt_datetimefield_value(pinned_before)
     if connection.vendor != "postgresql":  # the embedded default (SQLite): writes are serialized
         for turn_id, may_start in fair_order(_PICKS, default_max_running, node=node, pinned_before=pinned_before):
-            taken = turn_store.claim_turn(turn_id) if may_start else None
+            taken = store.claim_turn(turn_id) if may_start else None
             if taken is not None:
                 return turn_id, taken
         return None
     with connection.cursor() as cursor:
         cursor.execute(
-            turn_store.with_session(_CLAIM, "claimed"),
+            store.with_session(_CLAIM, "claimed"),
             [default_max_running, default_max_running, settings.AAP_TURN_QUEUE, node, pinned, _PICKS, now, now],
         )
         row = cursor.fetchone()
-    return (row[0], turn_store.claimed(row[1:], started)) if row else None
+    return (row[0], store.claimed(row[1:], started)) if row else None
 
 
 def worker_beat(node: str, concurrency: int) -> None:

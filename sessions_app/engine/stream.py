@@ -27,14 +27,14 @@ from infra.outages import DB_ERRORS, OUTAGE_ERRORS
 from tenancy.authentication import token_is_active
 
 from ..protocol import SSE_PING, dumps, event_data, fold, sse_frame
-from . import dispatch, endings, events, recovery
+from . import dispatch, events, recovery, store
 
 logger = logging.getLogger(__name__)
 
 LIVENESS_CHECK_SECONDS = 5.0
 
 _recover = on_web_threads(recovery.turn_recover_if_lost)
-_stored_result = on_web_threads(endings.turn_result)
+_stored_result = on_web_threads(store.turn_result)
 _token_active = on_web_threads(token_is_active)
 _queued_place = on_web_threads(dispatch.queued_place)
 # Yielded by _follow when the stream's API token was revoked (or expired) meanwhile.
@@ -42,7 +42,7 @@ REVOKED = object()
 # Yielded by _follow when the turn ended in PostgreSQL but its stream will never show the end
 # (its events were lost with Redis): the rest can only come from history.
 ENDED = object()
-_rebuilt_ending = on_web_threads(endings.rebuilt_ending)
+_rebuilt_ending = on_web_threads(store.rebuilt_ending)
 REVOKED_SENTENCE = (
     "The API token of this stream was revoked or expired; the turn goes on, re-attach with a valid token."
 )
@@ -104,7 +104,7 @@ def queued_comment(place: dict) -> bytes:
     return f": queued {dumps(place)}\n\n".encode()
 
 
-async def _rest_from_history(turn_id: str, cursor: endings.FoldCursor | None, mode: str, after: int):
+async def _rest_from_history(turn_id: str, cursor: store.FoldCursor | None, mode: str, after: int):
     """The stream's frames from event `after` + 1 to its end, rebuilt from history once the
     turn has ended (pinging meanwhile): for a reader whose live events stopped short or have a
     hole (lost with Redis), so that what it folds is what history holds. Without a cursor, or
@@ -126,8 +126,8 @@ async def sse_stream(turn_id: str, after: int = 0, token_id: int | None = None, 
     last_write = time.monotonic()
     waiting = after <= 1  # until the turn shows it started (a worker took it)
     # Where the events sent leave the reader, while they are every event from the first: if
-    # the rest is lost with Redis, it is rebuilt from history (endings.rebuilt_ending).
-    cursor: endings.FoldCursor | None = endings.FoldCursor() if after <= 1 else None
+    # the rest is lost with Redis, it is rebuilt from history (store.rebuilt_ending).
+    cursor: store.FoldCursor | None = store.FoldCursor() if after <= 1 else None
     async for item in _follow(turn_id, after, token_id):
         if item is REVOKED:
             yield f": {REVOKED_SENTENCE}\n\n".encode()

@@ -10,7 +10,7 @@ or the embedded mode's, inside the web process; a test can make several without 
   one free thread looks again every AAP_WORKER_POLL_SECONDS (the next free one at once when
   that finds a turn), so a lost wake-up costs latency, never a turn;
 - on PostgreSQL, a listener thread: the statement that stores a turn notifies
-  turn_store.WAKE_CHANNEL, delivered when its transaction commits, and each notification for
+  store.WAKE_CHANNEL, delivered when its transaction commits, and each notification for
   this worker's queue (and not pinned to another worker) is a wake-up. A wake-up that finds
   no free thread is not kept as a debt: a thread that frees looks again if anything was
   heard since its last look began (`_heard`), so no turn waits for the timer because it was
@@ -44,7 +44,7 @@ from django.utils import timezone
 from infra import tracing
 from infra.logs import log_context
 
-from . import execution, recovery, schedule_store, turn_store
+from . import execution, recovery, schedule_store, store
 from .host import RunningTurns
 from .kept_history import KeptHistories
 from .liveness import Liveness, interval
@@ -157,7 +157,7 @@ class Worker:
         if self.serving:
             schedule_store.worker_beat(self.node, self.concurrency)
 
-    def take(self) -> tuple[str, turn_store.ClaimedTurn] | None:
+    def take(self) -> tuple[str, store.ClaimedTurn] | None:
         """Claim the waiting turn the fair order gives a free thread of this worker; None when
         none may start now, or PostgreSQL is unreachable (the turns wait for the next look).
         Never raises."""
@@ -231,7 +231,7 @@ class Worker:
             self._look_now = True
             self._bell.notify()
 
-    def _run(self, turn_id: str, claimed: turn_store.ClaimedTurn) -> bool:
+    def _run(self, turn_id: str, claimed: store.ClaimedTurn) -> bool:
         """Run a claimed turn; whether turns were waiting as it ended (then it looks again)."""
         with log_context(turn=turn_id), tracing.continued(claimed.trace_parent):
             try:
@@ -256,7 +256,7 @@ class Worker:
                 connection.close()
 
     def _listen_forever(self) -> None:
-        """Wake-ups from PostgreSQL: LISTEN on turn_store.WAKE_CHANNEL over a connection of its
+        """Wake-ups from PostgreSQL: LISTEN on store.WAKE_CHANNEL over a connection of its
         own (outside the pool; a transaction-pooling proxy cannot carry it). A lost
         connection is replaced every LISTEN_RETRY_SECONDS; meanwhile the timed look finds the
         turns, and once listening again one look catches up."""
@@ -268,7 +268,7 @@ class Worker:
         while self.serving:
             try:
                 with psycopg.connect(**params, autocommit=True) as conn:
-                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(turn_store.WAKE_CHANNEL)))
+                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(store.WAKE_CHANNEL)))
                     if failing:
                         logger.warning("wake-ups from PostgreSQL are heard again")
                         failing = False

@@ -11,7 +11,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from sessions_app.api.services.sessions import session_create
-from sessions_app.engine import turn_store
+from sessions_app.engine import store
 from sessions_app.models import Session
 from tenancy.models import Tenant
 
@@ -29,7 +29,7 @@ def session_pk():
 
 def _queued(session_pk: int) -> str:
     turn_id = "turn_" + uuid.uuid4().hex
-    turn_store.insert_turn(turn_id, session_pk, "delta", [{"toolCallId": "c1", "granted": True}])
+    store.insert_turn(turn_id, session_pk, "delta", [{"toolCallId": "c1", "granted": True}])
     return turn_id
 
 
@@ -61,13 +61,13 @@ def test_a_claim_reads_the_turn_and_its_session_in_one_statement(session_pk):
         "delta",
         [{"toolCallId": "c1", "granted": True}],
     )
-    assert claimed.session == turn_store.session_for_turn(session_pk)
+    assert claimed.session == store.session_for_turn(session_pk)
     assert claimed.session.tenant_name == "demo"
     assert _claim_mine({turn_id})[0] is None  # claimed once: nothing left to claim
 
 
 def test_the_fallback_claim_of_one_turn_is_once_too(session_pk):
     turn_id = _queued(session_pk)
-    claimed = turn_store.claim_turn(turn_id)
-    assert claimed is not None and claimed.session == turn_store.session_for_turn(session_pk)
-    assert turn_store.claim_turn(turn_id) is None
+    claimed = store.claim_turn(turn_id)
+    assert claimed is not None and claimed.session == store.session_for_turn(session_pk)
+    assert store.claim_turn(turn_id) is None

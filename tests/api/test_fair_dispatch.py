@@ -201,17 +201,17 @@ def test_a_pinned_turn_goes_to_its_worker_until_its_pin_expires():
 
 
 def test_the_statement_ending_a_turn_says_whether_others_wait():
-    from sessions_app.engine import turn_store
+    from sessions_app.engine import store
 
     tenant = _tenant()
     (running,) = _turns(tenant, 1, running=True)
     _turns(tenant, 1)
-    ended = turn_store.end_turn(
+    ended = store.end_turn(
         running, stop_reason="end_turn", cancelled=False, error="", prompt_tokens=0, completion_tokens=0, model_calls=0
     )
     assert ended is not None and ended.others_waiting
     # Ended once: a second ending finds it no longer running.
-    again = turn_store.end_turn(
+    again = store.end_turn(
         running, stop_reason="end_turn", cancelled=False, error="", prompt_tokens=0, completion_tokens=0, model_calls=0
     )
     assert again is None

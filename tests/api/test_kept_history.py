@@ -13,9 +13,9 @@ from django.test.utils import CaptureQueriesContext
 
 from agents.runtimes.base import Compaction
 from sessions_app.api.services.sessions import session_create
-from sessions_app.engine import turn_store
-from sessions_app.engine.history import apply_compaction
+from sessions_app.engine import store
 from sessions_app.engine.kept_history import KeptHistories
+from sessions_app.engine.store import apply_compaction
 from sessions_app.models import Message, Session
 from tenancy.models import Tenant
 
@@ -45,14 +45,14 @@ class Session_:
 
     def start_turn(self, text: str) -> str:
         turn_id = "turn_" + uuid.uuid4().hex
-        turn_store.insert_turn(turn_id, self.pk, "none", [])
+        store.insert_turn(turn_id, self.pk, "none", [])
         self.seq += 1
-        turn_store.insert_messages(self.pk, self.seq, [{"role": "user", "content": text}], turn_id=turn_id)
+        store.insert_messages(self.pk, self.seq, [{"role": "user", "content": text}], turn_id=turn_id)
         return turn_id
 
     def answer(self, text: str) -> None:
         self.seq += 1
-        turn_store.insert_messages(self.pk, self.seq, [{"role": "assistant", "content": text}])
+        store.insert_messages(self.pk, self.seq, [{"role": "assistant", "content": text}])
 
 
 def test_turn_1000_reads_and_parses_what_turn_10_does(session_pk):
@@ -117,7 +117,7 @@ def test_rows_replaced_at_the_end_are_noticed_and_the_history_read_again(session
         session.answer(f"answer {number}")
     rows, _ = load(kept, session_pk, turn_id)
     Message.objects.filter(session_id=session_pk, seq=session.seq).delete()
-    turn_store.insert_messages(session_pk, session.seq, [{"role": "assistant", "content": "the real answer"}])
+    store.insert_messages(session_pk, session.seq, [{"role": "assistant", "content": "the real answer"}])
     turn_id = session.start_turn("question 4")
     rows, incoming = load(kept, session_pk, turn_id)
     assert kept.parsed_last == len(rows)  # read again

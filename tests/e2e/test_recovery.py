@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import psycopg
 
-from sessions_app.engine.turn_store import WAKE_CHANNEL
+from sessions_app.engine.store import WAKE_CHANNEL
 
 from ..support import fold_events
 from ..turn_checks import LiveTurn, assert_sse_shape, checked_turn, text_reply, user, wait_until

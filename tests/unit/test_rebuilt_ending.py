@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aap.messages import MessageShaper, fold
-from sessions_app.engine.endings import FoldCursor, _tail
+from sessions_app.engine.store import FoldCursor, _tail
 
 _text = st.text(alphabet="ab c", min_size=1, max_size=6)
 _delta = st.one_of(

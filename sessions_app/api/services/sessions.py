@@ -11,8 +11,7 @@ from agents.runtimes import runtime_for
 from agents.tools.mcp import session_deleted as mcp_session_deleted
 from infra.service_errors import BadRequest, NotFound
 from sessions_app.engine import events, host
-from sessions_app.engine.endings import publish_stop
-from sessions_app.engine.history import append_messages, pending_from_history, seed_compaction_start
+from sessions_app.engine.store import append_messages, pending_from_history, publish_stop, seed_compaction_start
 from sessions_app.models import Session, Turn
 
 from .. import admission, idempotency_keys

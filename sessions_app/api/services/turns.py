@@ -11,7 +11,7 @@ from agents.runtimes import runtime_for
 from agents.selectors import agent_definition
 from infra import metrics, tracing
 from infra.service_errors import BadRequest, Conflict, NotFound
-from sessions_app.engine import dispatch, endings, events, turn_store
+from sessions_app.engine import dispatch, events, store
 from sessions_app.engine.recovery import finalize_if_lost
 from sessions_app.models import IdempotencyKey, Session, Turn, new_turn_id
 
@@ -119,12 +119,10 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         # Permission answers go to the worker holding the prompt that waits on them (ACP).
         node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
         room = None if node or mode == "none" else dispatch.room_for(turn.id, tenant)
-        turn_store.insert_turn(
-            turn.id, session.pk, mode, permissions, node=node or "", trace_parent=tracing.trace_parent()
-        )
+        store.insert_turn(turn.id, session.pk, mode, permissions, node=node or "", trace_parent=tracing.trace_parent())
         incoming = tool_messages if session.pending_calls else messages
-        turn_store.insert_messages(session.pk, session.message_seq + 1, incoming, turn_id=turn.id)
-        turn_store.update_session(
+        store.insert_messages(session.pk, session.message_seq + 1, incoming, turn_id=turn.id)
+        store.update_session(
             session.pk,
             pending_calls=[],
             active_turn=turn.id,
@@ -146,14 +144,14 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
     return turn
 
 
-def _lock_session(tenant, session_id: str) -> turn_store.SessionRow:
-    session = turn_store.lock_session(tenant.pk, session_id)
+def _lock_session(tenant, session_id: str) -> store.SessionRow:
+    session = store.lock_session(tenant.pk, session_id)
     if session is None:
         raise NotFound(f"No session '{session_id}' exists for this token's tenant.")
     return session
 
 
-def _end_active_if_lost(row: turn_store.SessionRow) -> bool:
+def _end_active_if_lost(row: store.SessionRow) -> bool:
     """The session's active turn is over, or was lost and is now ended. Inside the
     transaction that locked the session. A queued turn is never over: it waits for a worker."""
     turn = Turn.objects.filter(id=row.active_turn_id).first()
@@ -172,7 +170,7 @@ def turn_read(*, tenant, session_id: str, turn_id: str) -> dict:
         raise NotFound(f"No turn '{turn_id}' exists on session '{session_id}' for this token's tenant.")
     if turn.status != Turn.DONE:
         return {"turnId": turn.id, "status": turn.status}
-    result = endings.turn_result(turn.id) or {}
+    result = store.turn_result(turn.id) or {}
     return {"turnId": turn.id, "status": turn.status, **result}
 
 
