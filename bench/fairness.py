@@ -3,7 +3,7 @@ four times the workers' threads of turns coming (honouring 429 + Retry-After).
 
 A may run on all but HEADROOM of the worker threads (its running-turns limit, which the
 dispatcher enforces) and keep twice the threads waiting beyond; every slot that frees goes
-to the tenant with the fewest turns in flight (sessions_app.engine.dispatch), so B's turn finds a
+to the tenant with the fewest turns in flight (sessions_app.engine.queue), so B's turn finds a
 free thread instead of a place behind A's backlog. Target: B's p50 and p99 under load at
 most twice its unloaded values."""
 

@@ -124,7 +124,7 @@ def run_services(seconds: float) -> dict:
     from django.utils import timezone
 
     from sessions_app.api.services import sessions, turns
-    from sessions_app.engine import execution, schedule_store
+    from sessions_app.engine import execution, queue
     from sessions_app.engine.worker import Worker
     from tenancy.models import Tenant
 
@@ -142,7 +142,7 @@ def run_services(seconds: float) -> dict:
             session_id=session.public_id,
             data={"messages": [{"role": "user", "content": "hello world"}], "stream": "none"},
         )
-        turn_id, claimed = schedule_store.claim_next("bench", 0, timezone.now() - timedelta(seconds=30))
+        turn_id, claimed = queue.claim_next("bench", 0, timezone.now() - timedelta(seconds=30))
         # As a slot thread runs it (Worker.run), with its failures raised: they are counted.
         execution.turn_execute(
             turn_id, claimed, liveness=worker.liveness, running=worker.running, histories=worker.histories
@@ -215,13 +215,13 @@ def run_statements(turns: int, agent: str, stream: str) -> dict:
     import httpx
 
     from hosting.asgi import application
-    from sessions_app.engine import dispatch, schedule_store
+    from sessions_app.engine import queue
     from sessions_app.engine.worker import Worker
 
     counter = StatementCounter()
     counter.install()
     worker = Worker(f"bench-statements-{os.getpid()}", 1, beats=False)
-    dispatch.wake = lambda node=None: worker.wake()  # no broker: this process's Worker is woken
+    queue.wake = lambda node=None: worker.wake()  # no broker: this process's Worker is woken
     worker.start()
     worker.round()  # its heartbeat row, once: its slot counts in the capacity turns are admitted against
     body = {"messages": [{"role": "user", "content": "hello world"}], "stream": stream}
@@ -250,7 +250,7 @@ def run_statements(turns: int, agent: str, stream: str) -> dict:
     seconds = time.perf_counter() - started
     worker.stop()
     worker.drain(timeout=30)
-    schedule_store.worker_gone(worker.node)
+    queue.worker_gone(worker.node)
     return {
         "turns": turns,
         "agent": agent,

@@ -8,6 +8,6 @@ class SessionsAppConfig(AppConfig):
     def ready(self) -> None:
         from infra import metrics
 
-        from .engine.queue_metrics import QueueCollector
+        from .engine.queue import QueueCollector
 
         metrics.register_collector(QueueCollector())

@@ -3,7 +3,7 @@
 from celery import shared_task
 
 from .engine import recovery, worker
-from .engine.dispatch import WAKE
+from .engine.queue import WAKE
 
 
 @shared_task(name=WAKE, ignore_result=True)

@@ -42,7 +42,7 @@ class Tenant(models.Model):
         blank=True,
         help_text="LLM tokens (prompt + completion) per UTC day (empty: AAP_TENANT_TOKENS_PER_DAY; 0: no limit).",
     )
-    # Fair scheduling (sessions_app.engine.dispatch): free worker slots go to the tenant with the
+    # Fair scheduling (sessions_app.engine.queue): free worker slots go to the tenant with the
     # fewest running turns per unit of weight.
     weight = models.PositiveSmallIntegerField(
         default=1,

@@ -15,7 +15,7 @@ from infra.outages import OUTAGE_ERRORS
 
 from ..models import IdempotencyKey, Session, Turn
 from ..protocol import fold
-from . import dispatch, events
+from . import events, queue
 from .store import LOST_ERROR, append_messages, publish_stop, publish_stop_if_missing
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def turn_recover_if_lost(turn_id: str) -> bool:
         return True
     if turn.status == Turn.QUEUED:
         if not settings.REDIS_URL:
-            dispatch.wake()  # the embedded worker starts with the first turn after a restart
+            queue.wake()  # the embedded worker starts with the first turn after a restart
         return False
     if turn.status == Turn.DONE:
         publish_stop_if_missing(turn_id)

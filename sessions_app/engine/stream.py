@@ -27,7 +27,7 @@ from infra.outages import DB_ERRORS, OUTAGE_ERRORS
 from tenancy.authentication import token_is_active
 
 from ..protocol import SSE_PING, dumps, event_data, fold, sse_frame
-from . import dispatch, events, recovery, store
+from . import events, queue, recovery, store
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ LIVENESS_CHECK_SECONDS = 5.0
 _recover = on_web_threads(recovery.turn_recover_if_lost)
 _stored_result = on_web_threads(store.turn_result)
 _token_active = on_web_threads(token_is_active)
-_queued_place = on_web_threads(dispatch.queued_place)
+_queued_place = on_web_threads(queue.queued_place)
 # Yielded by _follow when the stream's API token was revoked (or expired) meanwhile.
 REVOKED = object()
 # Yielded by _follow when the turn ended in PostgreSQL but its stream will never show the end

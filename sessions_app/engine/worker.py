@@ -5,7 +5,7 @@
 or the embedded mode's, inside the web process; a test can make several without either):
 
 - `concurrency` slot threads. A free one claims the next waiting turn in one statement
-  (`take`, the one hand-off of a turn to a thread: schedule_store.claim_next), runs it, and
+  (`take`, the one hand-off of a turn to a thread: queue.claim_next), runs it, and
   claims again while turns wait; with nothing to claim it waits for a wake-up (`wake`), and
   one free thread looks again every AAP_WORKER_POLL_SECONDS (the next free one at once when
   that finds a turn), so a lost wake-up costs latency, never a turn;
@@ -44,7 +44,7 @@ from django.utils import timezone
 from infra import tracing
 from infra.logs import log_context
 
-from . import execution, recovery, schedule_store, store
+from . import execution, queue, recovery, store
 from .host import RunningTurns
 from .kept_history import KeptHistories
 from .liveness import Liveness, interval
@@ -134,7 +134,7 @@ class Worker:
         if not self.beats:
             return
         try:
-            schedule_store.worker_gone(self.node)
+            queue.worker_gone(self.node)
         except Exception:  # its heartbeat goes stale instead
             logger.warning("the worker's departure could not be recorded", exc_info=True)
         finally:
@@ -155,7 +155,7 @@ class Worker:
     def round(self) -> None:
         """Its heartbeat row."""
         if self.serving:
-            schedule_store.worker_beat(self.node, self.concurrency)
+            queue.worker_beat(self.node, self.concurrency)
 
     def take(self) -> tuple[str, store.ClaimedTurn] | None:
         """Claim the waiting turn the fair order gives a free thread of this worker; None when
@@ -163,7 +163,7 @@ class Worker:
         Never raises."""
         pinned_before = timezone.now() - timedelta(seconds=settings.AAP_TURN_PIN_SECONDS)
         try:
-            return schedule_store.claim_next(self.node, settings.AAP_TENANT_MAX_RUNNING_TURNS, pinned_before)
+            return queue.claim_next(self.node, settings.AAP_TENANT_MAX_RUNNING_TURNS, pinned_before)
         except Exception:  # the slot's boundary: it claims again on its next look
             logger.warning("waiting turns could not be claimed now", exc_info=True)
             connection.close()  # a broken connection goes back to the pool, which discards it

@@ -40,11 +40,11 @@ def _claim_mine(mine: set[str]):
 
     from django.utils import timezone
 
-    from sessions_app.engine import schedule_store
+    from sessions_app.engine import queue
 
     for _ in range(1000):
         with CaptureQueriesContext(connection) as queries:
-            taken = schedule_store.claim_next("node-a", 0, timezone.now() - timedelta(seconds=30))
+            taken = queue.claim_next("node-a", 0, timezone.now() - timedelta(seconds=30))
         if taken is None or taken[0] in mine:
             return taken, len(queries)
     raise AssertionError("never claimed")

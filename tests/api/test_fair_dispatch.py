@@ -1,4 +1,4 @@
-"""Free worker slots go to waiting turns fairly between tenants (schedule_store.claim_next):
+"""Free worker slots go to waiting turns fairly between tenants (queue.claim_next):
 the tenant with the fewest turns running per unit of its weight first. In-process, inside
 the test's transaction; other tests' turns may be in the database, so every assertion looks
 at the relative order of this test's own turns (which those cannot change)."""
@@ -33,10 +33,10 @@ def _turns(tenant, count: int, *, running: bool = False, node: str = "") -> list
 
 
 def _order(*groups: list[str]) -> list[str]:
-    from sessions_app.engine import schedule_store
+    from sessions_app.engine import queue
 
     mine = {turn_id for group in groups for turn_id in group}
-    return [turn_id for turn_id, _ in schedule_store.fair_order(100_000, 0) if turn_id in mine]
+    return [turn_id for turn_id, _ in queue.fair_order(100_000, 0) if turn_id in mine]
 
 
 def test_one_waiting_turn_of_a_tenant_goes_before_another_tenants_backlog():
@@ -67,22 +67,22 @@ def test_turns_in_flight_count_against_their_tenant():
 
 
 def test_a_turn_waiting_for_a_full_pool_knows_its_place(monkeypatch):
-    from sessions_app.engine import dispatch, schedule_store
+    from sessions_app.engine import queue
 
     busy, quiet = _tenant(), _tenant()
     _turns(busy, 4, running=True)
     backlog = _turns(busy, 5)
     single = _turns(quiet, 1)
-    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: schedule_store.slots_in_use()[0])  # every slot taken
-    places = {turn_id: dispatch.queued_place(turn_id)["position"] for turn_id in backlog + single}
+    monkeypatch.setattr(queue, "capacity", lambda counted=None: queue.slots_in_use()[0])  # every slot taken
+    places = {turn_id: queue.queued_place(turn_id)["position"] for turn_id in backlog + single}
     assert places[single[0]] < min(places[t] for t in backlog)
     assert [places[t] for t in backlog] == sorted(places[t] for t in backlog)
     assert all(place >= 1 for place in places.values())
 
     # With a slot free for every waiting turn, none of them is queued.
-    waiting = schedule_store.slots_in_use()[1]
-    monkeypatch.setattr(dispatch, "capacity", lambda counted=None: schedule_store.slots_in_use()[0] + waiting)
-    assert dispatch.queued_place(single[0]) is None
+    waiting = queue.slots_in_use()[1]
+    monkeypatch.setattr(queue, "capacity", lambda counted=None: queue.slots_in_use()[0] + waiting)
+    assert queue.queued_place(single[0]) is None
 
 
 def test_the_declarative_file_sets_a_tenants_weight():
@@ -117,7 +117,7 @@ def test_the_client_tells_waiting_from_running():
 
 
 def test_a_tenant_never_runs_more_turns_at_once_than_its_limit(settings):
-    from sessions_app.engine import schedule_store
+    from sessions_app.engine import queue
 
     settings.AAP_TENANT_MAX_RUNNING_TURNS = 0
     capped, free = _tenant(), _tenant()
@@ -126,7 +126,7 @@ def test_a_tenant_never_runs_more_turns_at_once_than_its_limit(settings):
     _turns(capped, 2, running=True)
     capped_turns = _turns(capped, 3)
     free_turns = _turns(free, 2)
-    order = [(t, ok) for t, ok in schedule_store.fair_order(100_000, 0) if t in capped_turns + free_turns]
+    order = [(t, ok) for t, ok in queue.fair_order(100_000, 0) if t in capped_turns + free_turns]
     assert order == [
         (free_turns[0], True),
         (free_turns[1], True),
@@ -135,7 +135,7 @@ def test_a_tenant_never_runs_more_turns_at_once_than_its_limit(settings):
         (capped_turns[2], False),
     ]
     # The service's default applies to a tenant that sets no limit of its own.
-    free_first = [(t, ok) for t, ok in schedule_store.fair_order(100_000, 1) if t in free_turns]
+    free_first = [(t, ok) for t, ok in queue.fair_order(100_000, 1) if t in free_turns]
     assert free_first == [(free_turns[0], True), (free_turns[1], False)]
 
 
@@ -147,12 +147,12 @@ def _taken_in_order(mine: list[str], count: int, node: str = "node-a", *, pin_se
 
     from django.utils import timezone
 
-    from sessions_app.engine import schedule_store
+    from sessions_app.engine import queue
 
     taken: list[str] = []
     pinned_before = timezone.now() - timedelta(seconds=pin_seconds)
     for _ in range(len(mine) + 1000):
-        following = schedule_store.claim_next(node, 0, pinned_before)
+        following = queue.claim_next(node, 0, pinned_before)
         if following is None:
             break
         if following[0] in mine:

@@ -227,9 +227,7 @@ def test_grafana_dashboard_is_built_on_these_families():
         assert set(panel["gridPos"]) == {"h", "w", "x", "y"}
         for target in panel.get("targets", []):
             assert target["datasource"]["uid"] == "${datasource}"
-    metrics_source = "".join(
-        (ROOT / path).read_text() for path in ("infra/metrics.py", "sessions_app/engine/queue_metrics.py")
-    )
+    metrics_source = "".join((ROOT / path).read_text() for path in ("infra/metrics.py", "sessions_app/engine/queue.py"))
     import re
 
     for expr in exprs:

@@ -12,12 +12,12 @@ from ..turn_checks import user, wait_until
 
 @pytest.fixture
 def two_workers(monkeypatch):
-    from sessions_app.engine import dispatch
+    from sessions_app.engine import queue
     from sessions_app.engine.worker import Worker
 
     first, second = Worker("test-first", 1, beats=False), Worker("test-second", 1, beats=False)
     # Wake-ups go to the first only: the second looks for turns when it starts, then never.
-    monkeypatch.setattr(dispatch, "wake", lambda node=None: first.wake())
+    monkeypatch.setattr(queue, "wake", lambda node=None: first.wake())
     first.start()
     second.start()
     yield first, second
@@ -60,11 +60,11 @@ def test_a_worker_drains_only_its_own_turns(engine, demo, two_workers):
 def test_a_free_thread_finds_turns_whose_wake_up_was_lost(engine, demo, monkeypatch, settings):
     """The thread that looks for turns on a timer takes one and runs it: another free thread
     looks on the timer from then on, and finds a turn no wake-up announced."""
-    from sessions_app.engine import dispatch
+    from sessions_app.engine import queue
     from sessions_app.engine.worker import Worker
 
     settings.AAP_WORKER_POLL_SECONDS = 0.2
-    monkeypatch.setattr(dispatch, "wake", lambda node=None: None)  # every wake-up is lost
+    monkeypatch.setattr(queue, "wake", lambda node=None: None)  # every wake-up is lost
     worker = Worker("test-looking", 2)
     worker.start()
     session, other = demo.create_session("echo"), demo.create_session("echo")

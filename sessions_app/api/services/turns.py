@@ -11,7 +11,7 @@ from agents.runtimes import runtime_for
 from agents.selectors import agent_definition
 from infra import metrics, tracing
 from infra.service_errors import BadRequest, Conflict, NotFound
-from sessions_app.engine import dispatch, events, store
+from sessions_app.engine import events, queue, store
 from sessions_app.engine.recovery import finalize_if_lost
 from sessions_app.models import IdempotencyKey, Session, Turn, new_turn_id
 
@@ -118,7 +118,7 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         turn = Turn(id=new_turn_id(), session_id=session.pk, stream=mode, permissions=permissions)
         # Permission answers go to the worker holding the prompt that waits on them (ACP).
         node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
-        room = None if node or mode == "none" else dispatch.room_for(turn.id, tenant)
+        room = None if node or mode == "none" else queue.room_for(turn.id, tenant)
         store.insert_turn(turn.id, session.pk, mode, permissions, node=node or "", trace_parent=tracing.trace_parent())
         incoming = tool_messages if session.pending_calls else messages
         store.insert_messages(session.pk, session.message_seq + 1, incoming, turn_id=turn.id)
@@ -135,11 +135,11 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         start_meta: dict[str, Any] = {"turnId": turn.id}
         # Every worker slot is taken, or others wait: where the turn stands among them (for
         # a stream; `stream: "none"` answers once the turn is over, and shows no turn_start).
-        queued = dispatch.queued_place(turn.id, room) if room is not None and not room.takes_slot else None
+        queued = queue.queued_place(turn.id, room) if room is not None and not room.takes_slot else None
         if queued:
             start_meta["queued"] = queued
         events.backend().publish_sync(turn.id, 1, {"event": "turn_start", "_meta": start_meta})
-        transaction.on_commit(lambda: dispatch.wake(node))
+        transaction.on_commit(lambda: queue.wake(node))
     metrics.turn_started(agent=agent.name, tenant=tenant.name, stream=mode)
     return turn
 
