@@ -327,7 +327,7 @@ AAP_AUTH_FAILURES_PER_MINUTE = env_int("AAP_AUTH_FAILURES_PER_MINUTE", 30)
 # Seconds a process remembers a token it found active (0: look it up on every request): a
 # revoked token, a disabled tenant or changed tenant limits reach new requests within this bound.
 AAP_AUTH_CACHE_SECONDS = env_float("AAP_AUTH_CACHE_SECONDS", 5.0)
-# Per-turn output bounds (sessions_app.engine.turn_output): stream entries and text bytes.
+# Per-turn output bounds (sessions_app.engine.host): stream entries and text bytes.
 AAP_TURN_MAX_EVENTS = env_int("AAP_TURN_MAX_EVENTS", 10000)
 AAP_TURN_MAX_OUTPUT_BYTES = env_int("AAP_TURN_MAX_OUTPUT_BYTES", 4 * 1024 * 1024)
 # While a turn's events wait for Redis, tiny deltas join for up to this long into one entry;

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from sessions_app.engine import events, host
-from sessions_app.engine.turn_output import DeltaRuns, OutputBudget, TurnOutputExceeded
+from sessions_app.engine.host import DeltaRuns, OutputBudget, TurnOutputExceeded
 from sessions_app.protocol import fold
 
 

@@ -14,7 +14,7 @@ class Entries(list):
 
 
 # A follower reads a stream in rounds of at most this many bytes about (entries are at most
-# turn_output.JOINED_CHARS): it holds one round while its client is slow, not the whole turn.
+# host.JOINED_CHARS): it holds one round while its client is slow, not the whole turn.
 ROUND_BYTES = 64 * 1024
 MIN_COUNT, MAX_COUNT = 4, 500
 
