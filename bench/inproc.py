@@ -3,7 +3,7 @@
     python -m bench.inproc host SECONDS      sessions_app.engine.host.execute(plan) on an in-memory event
                                              stream: the runtime plus the host's own work
                                              (publishing, stream-mode shaping, fold, lease, cancel check)
-    python -m bench.inproc services SECONDS  turns.turn_start + execution.turn_execute against
+    python -m bench.inproc services SECONDS  turns.turn_start + worker.turn_execute against
                                              PostgreSQL and Redis (persistence included), queue bypassed
 
     python -m bench.inproc statements TURNS AGENT STREAM
@@ -33,7 +33,7 @@ from collections import Counter
 WARMUP_SECONDS = 0.3
 # Turns run before statements are counted: caches filled, statements prepared.
 WARMUP_TURNS = 5
-# The threads of a Worker that run SQL (sessions_app.engine.worker, sessions_app.engine.liveness); every
+# The threads of a Worker that run SQL (sessions_app.engine.worker); every
 # other thread is the web side's (the ASGI application's, its views' thread pool).
 WORKER_THREADS = ("aap-turn-", "aap-heartbeat", "aap-lease", "aap-worker-beat", "aap-sweep")
 
@@ -124,8 +124,8 @@ def run_services(seconds: float) -> dict:
     from django.utils import timezone
 
     from sessions_app.api.services import sessions, turns
-    from sessions_app.engine import execution, queue
-    from sessions_app.engine.worker import Worker
+    from sessions_app.engine import queue
+    from sessions_app.engine.worker import Worker, turn_execute
     from tenancy.models import Tenant
 
     # A queue of its own: the stack's workers neither hear of these turns nor claim them; each
@@ -144,9 +144,7 @@ def run_services(seconds: float) -> dict:
         )
         turn_id, claimed = queue.claim_next("bench", 0, timezone.now() - timedelta(seconds=30))
         # As a slot thread runs it (Worker.run), with its failures raised: they are counted.
-        execution.turn_execute(
-            turn_id, claimed, liveness=worker.liveness, running=worker.running, histories=worker.histories
-        )
+        turn_execute(turn_id, claimed, liveness=worker.liveness, running=worker.running, histories=worker.histories)
 
     return _timed(one, seconds)
 

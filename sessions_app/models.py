@@ -150,7 +150,7 @@ class IdempotencyKey(models.Model):
 
 class Worker(models.Model):
     """A worker process that runs turns, and how many at once: the slots dispatch fills.
-    Its heartbeat (`seen_at`) is written by the process itself (sessions_app.engine.liveness)."""
+    Its heartbeat (`seen_at`) is written by the process itself (sessions_app.engine.worker)."""
 
     node = models.CharField(max_length=200, unique=True)
     concurrency = models.PositiveIntegerField()

@@ -20,7 +20,7 @@ or the embedded mode's, inside the web process; a test can make several without 
   `queued` positions are counted against);
 - a sweep for lost turns every SWEEP_SECONDS on a thread of its own (one worker at a time
   across the deployment); it reads PostgreSQL only;
-- what it keeps about the turns it runs, handed to each (services.execution.turn_execute):
+- what it keeps about the turns it runs, handed to each (`turn_execute`):
   their heartbeats and leases (`liveness`, two threads of its own), their tasks on the
   runtime loop, which its cancel listener reaches (`running`), and the histories it read
   (`histories`).
@@ -28,26 +28,39 @@ or the embedded mode's, inside the web process; a test can make several without 
 Nothing about turns is kept outside a Worker: two in one process share no turn. The module
 keeps only which Worker is this process's (`start_worker`, `wake_embedded`), for the Celery
 signals and the wake-ups that reach the process.
-"""
+
+A claimed turn runs on its slot thread (`turn_execute`): planned from PostgreSQL, run by the
+host (sessions_app.engine.host), and finished: its messages, pending calls and usage stored
+atomically, then `turn_stop` published."""
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import json
 import logging
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import InterfaceError, OperationalError, close_old_connections, connection, transaction
 from django.utils import timezone
 
-from infra import tracing
-from infra.logs import log_context
+from agents.models import Agent
+from agents.runtimes.base import PermissionAnswer, ServerToolBinding, ToolCall
+from agents.selectors import AgentDefinition, agent_definition, option_rows, server_tool_specs
+from infra import crypto, metrics, tracing
+from infra.logs import bind_log_context, log_context
 
-from . import execution, queue, recovery, store
+from ..models import Turn
+from ..protocol import dumps, unstorable
+from . import events, host, queue, recovery, store
 from .host import RunningTurns
-from .kept_history import KeptHistories
-from .liveness import Liveness, interval
+from .store import LOST_ERROR, apply_compaction, publish_stop, publish_stop_if_missing
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +248,7 @@ class Worker:
         """Run a claimed turn; whether turns were waiting as it ended (then it looks again)."""
         with log_context(turn=turn_id), tracing.continued(claimed.trace_parent):
             try:
-                return execution.turn_execute(
+                return turn_execute(
                     turn_id, claimed, liveness=self.liveness, running=self.running, histories=self.histories
                 )
             except Exception:
@@ -346,3 +359,432 @@ def wake_embedded() -> None:
                 worker.start()
                 _current = worker
     _current.wake()
+
+
+# --- heartbeats of running turns --------------------------------------------------------------
+# Heartbeats of running turns, written to PostgreSQL and Redis by the worker running them.
+#
+# A worker's `Liveness` (its `Worker` owns one) keeps the turns it runs: one
+# thread updates every tracked turn's `heartbeat_at` in one statement every third of
+# AAP_TURN_LEASE_SECONDS, and stores what the agent produced so far in the modes that
+# publish only whole blocks (`message`, `none`), so a crash loses none of it. Another keeps
+# each tracked turn's Redis lease, from its claim until its end is stored, on the same clock
+# but on its own: a statement that hangs while PostgreSQL stalls never delays it. A turn is
+# declared lost only when its heartbeat is stale and its lease has lapsed too, so a worker
+# that is alive but cannot reach PostgreSQL (it retries its finish meanwhile) is not
+# declared lost for that alone.
+
+
+def interval() -> float:
+    return max(0.2, settings.AAP_TURN_LEASE_SECONDS / 3)
+
+
+class Liveness:
+    """The turns one worker runs now, and the two threads that keep them alive (`start`,
+    `stop`). `track` and `untrack` are called from the worker's slot threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, Callable[[], str | None] | None] = {}
+        self._last_partial: dict[str, str] = {}
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for name, target in (("aap-heartbeat", self._beat_forever), ("aap-lease", self._keep_leases_forever)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """No more rounds (once no turn of this worker runs: a tracked turn would end as lost)."""
+        self._stopped.set()
+
+    def track(self, turn_id: str, partial: Callable[[], str | None] | None = None) -> None:
+        """Keep the turn's heartbeat while it runs; `partial()` gives its output so far (JSON)."""
+        with self._lock:
+            self._running[turn_id] = partial
+
+    def untrack(self, turn_id: str) -> None:
+        with self._lock:
+            self._running.pop(turn_id, None)
+            self._last_partial.pop(turn_id, None)
+
+    def tracked(self) -> list[str]:
+        """The turns this worker runs now."""
+        with self._lock:
+            return list(self._running)
+
+    def beat(self) -> None:
+        """One round: every tracked turn's heartbeat, and the partial outputs that changed."""
+        with self._lock:
+            running = dict(self._running)
+        if not running:
+            return
+        partials = {}
+        for turn_id, source in running.items():
+            if source is None:
+                continue
+            try:
+                text = source()
+            except Exception:  # a runtime's callback: its partial text is optional
+                logger.debug("the partial output of turn %s is unreadable", turn_id, exc_info=True)
+                continue
+            if text and text != self._last_partial.get(turn_id):
+                partials[turn_id] = text
+        try:
+            store.heartbeat(list(running), partials)
+            with self._lock:
+                # Only turns still tracked: one untracked meanwhile keeps no entry behind.
+                self._last_partial.update({t: text for t, text in partials.items() if t in self._running})
+        finally:
+            connection.close()  # back to the pool; a broken one is discarded
+
+    def keep_leases(self) -> None:
+        """One round: the Redis lease of every tracked turn, in one round trip."""
+        running = self.tracked()
+        if running:
+            events.backend().refresh_leases_sync(running)
+
+    def _beat_forever(self) -> None:
+        while not self._stopped.wait(interval()):
+            try:
+                self.beat()
+            except Exception:  # the thread's boundary; PostgreSQL restarting: the next round tries again
+                logger.warning("turn heartbeats could not be written", exc_info=True)
+
+    def _keep_leases_forever(self) -> None:
+        while not self._stopped.wait(interval()):
+            try:
+                self.keep_leases()
+            except Exception:  # the thread's boundary; Redis restarting: the PostgreSQL heartbeat stands alone
+                logger.warning("turn leases could not be refreshed", exc_info=True)
+
+
+# --- kept histories ---------------------------------------------------------------------------
+# A worker's copy of each recent session's compacted history, parsed, so a turn reads and
+# parses only the rows its session gained since this worker last ran one of its turns (each
+# `Worker` keeps its own `KeptHistories`).
+#
+# A kept copy is used only when the rows it was built from are still there, checked with two
+# index probes whatever the history's length: the session's first compacted row and its last
+# one at or before the copy's end must be rows of the copy (the same position and row id).
+# History only grows at its end; compaction deletes rows at its start and inserts any summary
+# there, always with new, higher ids; a lost turn whose worker finished after all has its
+# recovered output replaced at the end, with new ids too. So a first row that is one of the
+# copy's means nothing was inserted before it (a window that dropped the oldest rows leaves
+# the copy's rows from there on), and a last row that is the copy's last means nothing at its
+# end was replaced. Otherwise the whole history is read again.
+# The copy is only ever read: each turn gets new lists.
+
+
+SESSIONS_KEPT = 64  # per worker; a session's copy is at most its compacted history
+BEFORE_EVERYTHING = -(2**62)
+
+
+@dataclass(frozen=True)
+class _Kept:
+    seqs: tuple[int, ...]  # in order
+    messages: tuple[dict, ...]
+    turns: tuple[str | None, ...]  # the turn id each row was stored with
+    ids: tuple[int, ...]  # row ids
+
+    def start_of(self, first: tuple[int, int] | None, last: tuple[int, int] | None) -> int | None:
+        """Where the rows still there begin in this copy, or None when the copy is stale."""
+        if first is None or last is None or last != (self.seqs[-1], self.ids[-1]):
+            return None
+        index = bisect.bisect_left(self.seqs, first[0])
+        if index == len(self.seqs) or (self.seqs[index], self.ids[index]) != first:
+            return None
+        return index
+
+
+class KeptHistories:
+    def __init__(self, size: int = SESSIONS_KEPT):
+        self.size = size
+        self._kept: OrderedDict[int, _Kept] = OrderedDict()
+        self._lock = threading.Lock()  # worker threads plan turns at the same time
+        self.parsed_last = 0  # rows the last load parsed (observability, tests)
+
+    def load(self, session_pk: int, turn_id: str) -> tuple[list[int], list[dict], list[dict]]:
+        """The session's compacted history (its positions and its messages, in order) and the
+        messages of `turn_id` in it. New lists each time: the caller may change them."""
+        with self._lock:
+            kept = self._kept.pop(session_pk, None)
+        start = None
+        if kept is not None:
+            first, last, new = store.compacted_history_after(session_pk, kept.seqs[-1])
+            start = kept.start_of(first, last)
+        if kept is None or start is None:
+            kept, start = None, 0
+            _, _, new = store.compacted_history_after(session_pk, BEFORE_EVERYTHING)
+        seqs = list(kept.seqs[start:]) if kept else []
+        messages = list(kept.messages[start:]) if kept else []
+        turns = list(kept.turns[start:]) if kept else []
+        ids = list(kept.ids[start:]) if kept else []
+        for seq, data, row_turn, row_id in new:
+            seqs.append(seq)
+            messages.append(json.loads(data))
+            turns.append(row_turn)
+            ids.append(row_id)
+        self.parsed_last = len(new)
+        if seqs:
+            with self._lock:
+                self._kept[session_pk] = _Kept(tuple(seqs), tuple(messages), tuple(turns), tuple(ids))
+                while len(self._kept) > self.size:
+                    self._kept.popitem(last=False)
+        # A turn's messages are the history's last rows as it is planned: only the running turn
+        # writes to its session. (A retried plan of the same turn finds them in the kept copy.)
+        own = len(turns)
+        while own and turns[own - 1] == turn_id:
+            own -= 1
+        return seqs, messages, messages[own:]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+
+# --- running a claimed turn -------------------------------------------------------------------
+# Running a queued turn on a worker: claim it once, plan it from PostgreSQL, run the
+# agent, persist its messages, pending calls and usage atomically, then publish `turn_stop`.
+#
+# What a worker keeps about its turns (their heartbeats, their tasks, the histories it read)
+# is the worker's own (`Worker`), handed to `turn_execute`.
+
+
+def effective_options(agent: Agent | AgentDefinition, stored: dict) -> dict[str, str]:
+    """Every declared option's value for the runtime: set value, else default (decrypted)."""
+    values = {}
+    for option in option_rows(agent):
+        if option.name in stored:
+            values[option.name] = crypto.decrypt(stored[option.name]) if option.is_secret else stored[option.name]
+        else:
+            values[option.name] = option.default_value()
+    return values
+
+
+def _server_bindings(agent: AgentDefinition, refs: list[dict] | None) -> dict[str, ServerToolBinding]:
+    if not refs:
+        return {}
+    specs = {spec["name"]: spec for spec in server_tool_specs(agent)}
+    rows = {tool.name: tool for tool in agent.server_tools}
+    bindings = {}
+    for ref in refs:
+        spec = specs.get(ref["name"])
+        if spec is None:
+            continue  # the operator removed it since; the agent no longer sees it
+        row = rows.get(ref["name"])
+        bindings[ref["name"]] = ServerToolBinding(
+            spec=spec,
+            trust=bool(ref.get("trust")),
+            implementation=row.implementation if row else "",
+            settings=row.settings if row else {},
+        )
+    return bindings
+
+
+@dataclasses.dataclass
+class _Compacted:
+    """The compacted history a turn was planned with (positions and messages, in order)."""
+
+    seqs: list[int]
+    messages: list[dict]
+
+    def then(self, seqs: list[int], messages: list[dict]) -> list[tuple[int, dict]]:
+        """As (seq, message) pairs, followed by the turn's own."""
+        return list(zip(self.seqs + seqs, self.messages + messages))
+
+
+def _plan(
+    turn_id: str, claimed: store.ClaimedTurn, session: store.TurnSession, histories: KeptHistories
+) -> tuple[host.TurnPlan, _Compacted]:
+    agent = agent_definition(session.agent_id, session.agent_revision)
+    seqs, messages, incoming = histories.load(claimed.session_pk, turn_id)
+    permissions = [
+        PermissionAnswer(ToolCall(p["toolCallId"], p["name"], p.get("input", {})), p["granted"], p.get("reason"))
+        for p in claimed.permissions
+    ]
+    plan = host.TurnPlan(
+        turn_id=turn_id,
+        session_id=session.public_id,
+        tenant=session.tenant_name,
+        agent_name=agent.name,
+        runtime_kind=agent.runtime_kind,
+        config=agent.runtime_config or {},
+        options=effective_options(agent, session.options),
+        options_set=frozenset(session.options),
+        server_tools=_server_bindings(agent, session.server_tools),
+        client_tools={tool["name"]: tool for tool in session.client_tools or []},
+        history=list(messages),  # the runtime's (the host appends answered permissions to it)
+        incoming=incoming,
+        permissions=permissions,
+        stream=claimed.stream,
+        capabilities=agent.capabilities(),
+    )
+    return plan, _Compacted(seqs, messages)
+
+
+DB_ERRORS = (OperationalError, InterfaceError)
+
+
+def _with_db_retry(function, *args):
+    """Call `function`, retrying while PostgreSQL is briefly unreachable (a restart, a
+    failover): a worker's claim or finish must not turn a database blip into a lost turn."""
+    deadline = time.monotonic() + settings.AAP_DB_RETRY_SECONDS
+    pause = 0.2
+    while True:
+        try:
+            return function(*args)
+        except DB_ERRORS as exc:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("database unavailable (%s); retrying %s", type(exc).__name__, function.__name__)
+            connection.close()  # a broken connection goes back to the pool, which discards it
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)
+
+
+def _output_json(running: host.RunningTurns, turn_id: str) -> str | None:
+    shaped = running.output_so_far(turn_id)
+    return dumps(shaped) if shaped else None
+
+
+def turn_execute(
+    turn_id: str,
+    claimed: store.ClaimedTurn,
+    *,
+    liveness: Liveness,
+    running: host.RunningTurns,
+    histories: KeptHistories,
+) -> bool:
+    """Run a turn a worker thread claimed (schedule_store.claim_next) to its end and persist
+    it, with the worker's `liveness` (its heartbeat), `running` turns (a cancel reaches it
+    there) and kept `histories`. Returns whether other turns were waiting for a worker slot
+    as it ended (True when that is not known): the thread then claims the next."""
+    backend = events.backend()
+    try:
+        backend.set_lease_sync(turn_id)  # the Redis lease backs up the PostgreSQL heartbeat
+    except Exception:  # the Redis lease is a backup: the turn runs without it
+        logger.warning("no Redis lease for turn %s; its heartbeat stands alone", turn_id, exc_info=True)
+    metrics.turn_claimed(claimed.waited)
+    liveness.track(turn_id, None if claimed.stream == "delta" else lambda: _output_json(running, turn_id))
+    try:
+        return _execute_claimed(turn_id, claimed, running, histories)
+    finally:
+        liveness.untrack(turn_id)
+
+
+def _execute_claimed(
+    turn_id: str, claimed: store.ClaimedTurn, running: host.RunningTurns, histories: KeptHistories
+) -> bool:
+    session = claimed.session or _with_db_retry(store.session_for_turn, claimed.session_pk)
+    if session is None:
+        return True
+    bind_log_context(tenant=session.tenant_name, session=session.public_id)
+    try:
+        plan, compacted = _with_db_retry(_plan, turn_id, claimed, session, histories)
+    except Exception:  # the turn's boundary: it ends with an error
+        logger.error("turn %s could not be prepared", turn_id, exc_info=True)
+        try:
+            last = events.last_seq_sync(turn_id)
+        except Exception:  # its ending is numbered from the start then
+            logger.warning("the last event of turn %s is unreadable", turn_id, exc_info=True)
+            last = 1
+        outcome = host.TurnOutcome(
+            "error",
+            [],
+            [],
+            last,
+            error="The turn could not be prepared.",
+            stop_meta={"error": "The turn could not be prepared."},
+        )
+        compacted = _Compacted([], [])
+    else:
+        # The agent may run for minutes: give the connection back to the pool meanwhile.
+        connection.close()
+        outcome = host.execute_sync(plan, running)
+    try:
+        return _with_db_retry(_finish, turn_id, claimed.session_pk, outcome, compacted)
+    except Exception:
+        # Never re-raised to Celery, which would log the database's text (it quotes the values).
+        logger.error("turn %s could not be stored", turn_id, exc_info=True)
+        try:
+            events.backend().clear_lease_sync(turn_id)  # with its heartbeat stopped, it ends as lost
+        except Exception:  # the lease expires by itself
+            logger.warning("could not clear the lease of %s", turn_id, exc_info=True)
+        return True
+
+
+def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted: _Compacted) -> bool:
+    """Persist a turn's messages, pending calls and usage atomically, then publish turn_stop.
+    Locks the session, then the turn (the one lock order, docs/api.md "Guarantees").
+    Returns whether other turns wait for a worker slot (True when not known)."""
+    problem = unstorable(outcome.pending_calls)
+    if problem:
+        # History keeps the calls as produced (stored as text); jsonb cannot keep them pending.
+        sentence = (
+            "The agent produced a tool call that cannot be kept waiting for an answer: its input holds "
+            "a NUL character (\\u0000) or a non-finite number."
+        )
+        outcome = dataclasses.replace(
+            outcome,
+            stop_reason="error",
+            pending_calls=[],
+            error=sentence,
+            stop_meta={**outcome.stop_meta, "error": sentence},
+        )
+    with transaction.atomic():
+        # The lock order of every transaction on a session and its turns: the session first
+        # (a delete holding it and waiting for this turn's row would otherwise deadlock).
+        store.lock_session_row(session_pk)
+        ended = _end_turn(turn_id, outcome)
+        if not ended:
+            # Deleted with its session, a retry whose first commit went through, or a turn
+            # declared lost while this worker was frozen or cut off: it ended once already,
+            # and what its clients were told then is what history keeps (the fence,
+            # docs/api.md "Guarantees"). The stream gets the stored ending if it lacks one.
+            if _declared_lost(turn_id):
+                logger.warning("turn %s finished after it was declared lost; its answer is not kept", turn_id)
+            transaction.on_commit(lambda: publish_stop_if_missing(turn_id))
+            return True
+        others_waiting = ended.others_waiting
+        last = store.close_turn_on_session(
+            session_pk,
+            added=len(outcome.messages),
+            pending_calls=outcome.pending_calls,
+            prompt_tokens=outcome.prompt_tokens,
+            completion_tokens=outcome.completion_tokens,
+        )
+        if last is None:
+            return others_waiting
+        first = last - len(outcome.messages) + 1
+        seqs = store.insert_messages(session_pk, first, outcome.messages, turn_id=turn_id)
+        if outcome.compaction is not None:
+            apply_compaction(session_pk, last, compacted.then(seqs, outcome.messages), outcome.compaction)
+        meta = dict(outcome.stop_meta)
+        if outcome.model_calls:
+            meta["usage"] = {"promptTokens": outcome.prompt_tokens, "completionTokens": outcome.completion_tokens}
+            if outcome.usage_estimated:
+                meta["usage"]["estimated"] = True
+        transaction.on_commit(lambda: publish_stop(turn_id, outcome.stop_reason, meta, seq=outcome.last_seq + 1))
+    return others_waiting
+
+
+def _end_turn(turn_id: str, outcome: host.TurnOutcome) -> store.EndedTurn | None:
+    """running -> done with the outcome's stop reason, error and usage (store.end_turn)."""
+    return store.end_turn(
+        turn_id,
+        stop_reason=outcome.stop_reason,
+        cancelled=outcome.cancelled,
+        error=outcome.error[:500],
+        prompt_tokens=outcome.prompt_tokens,
+        completion_tokens=outcome.completion_tokens,
+        model_calls=outcome.model_calls,
+        produced=bool(outcome.messages),
+        usage_estimated=outcome.usage_estimated,
+    )
+
+
+def _declared_lost(turn_id: str) -> bool:
+    return Turn.objects.filter(id=turn_id, status=Turn.DONE, error=LOST_ERROR).exists()

@@ -14,8 +14,8 @@ from django.test.utils import CaptureQueriesContext
 from agents.runtimes.base import Compaction
 from sessions_app.api.services.sessions import session_create
 from sessions_app.engine import store
-from sessions_app.engine.kept_history import KeptHistories
 from sessions_app.engine.store import apply_compaction
+from sessions_app.engine.worker import KeptHistories
 from sessions_app.models import Message, Session
 from tenancy.models import Tenant
 

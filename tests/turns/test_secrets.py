@@ -181,7 +181,7 @@ def test_rotate_secrets_reencrypts_with_the_new_first_key_and_old_key_can_go(dem
 
     from agents.models import AgentOption
     from infra.crypto import SecretDecryptionError
-    from sessions_app.engine.execution import effective_options
+    from sessions_app.engine.worker import effective_options
     from sessions_app.models import Session
 
     session_id = demo.create_session("echo", agent={"options": {"apiKey": "sk-rotate-me"}})

@@ -16,7 +16,7 @@ from sessions_app.api.services.validation import (
     validate_client_tools,
     validate_server_tools,
 )
-from sessions_app.engine.execution import effective_options
+from sessions_app.engine.worker import effective_options
 
 CLOCK = {"name": "clock", "description": "Current UTC time.", "parameters": {"type": "object"}}
 

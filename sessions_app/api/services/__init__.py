@@ -2,5 +2,5 @@
 one module per job.
 
 Views validate shapes (protocol serializers) and call one service; a worker runs the turn
-(sessions_app.engine.execution). Several rows that change together change in one transaction.
+(sessions_app.engine.worker). Several rows that change together change in one transaction.
 """
