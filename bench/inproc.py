@@ -105,7 +105,7 @@ def run_host(seconds: float) -> dict:
         outcome = loop.run_until_complete(host.execute(plan))
         if outcome.stop_reason != "end_turn":
             raise RuntimeError(f"stop reason {outcome.stop_reason}")
-        # What endings.publish_stop adds after persistence.
+        # What store.publish_stop adds after persistence.
         backend.publish_sync(
             turn_id, outcome.last_seq + 1, {"event": "turn_stop", "stopReason": "end_turn"}, final=True
         )

@@ -199,7 +199,7 @@ EMBEDDED_WAKE = "sessions_app.engine.worker.wake_embedded"
 def wake(node: str | None = None) -> None:
     """After a turn is committed: tell a worker that it waits (`node`: the worker it is
     pinned to). On PostgreSQL there is nothing to do: the statement that stored the turn
-    notified the workers, who hear it at the commit (turn_store.insert_turn). Never raises:
+    notified the workers, who hear it at the commit (store.insert_turn). Never raises:
     without a wake-up, the workers find the turn at their next look."""
     if not settings.REDIS_URL:
         import_string(EMBEDDED_WAKE)()

@@ -297,7 +297,7 @@ def waiting(alias: str) -> str:
 
 def claim_turn(turn_id: str) -> ClaimedTurn | None:
     """queued -> running, at most once (where PostgreSQL's one-statement claim,
-    schedule_store.claim_next, is not available)."""
+    queue.claim_next, is not available)."""
     started = timezone.now()
     now = connection.ops.adapt_datetimefield_value(started)
     with connection.cursor() as cursor:

@@ -349,7 +349,7 @@ def wake() -> None:
 
 
 def wake_embedded() -> None:
-    """The embedded mode (dispatch.EMBEDDED_WAKE): this web process's own worker, started
+    """The embedded mode (queue.EMBEDDED_WAKE): this web process's own worker, started
     with the first turn (it then takes the turns that waited for it, too)."""
     global _current
     if _current is None:
@@ -658,7 +658,7 @@ def turn_execute(
     running: host.RunningTurns,
     histories: KeptHistories,
 ) -> bool:
-    """Run a turn a worker thread claimed (schedule_store.claim_next) to its end and persist
+    """Run a turn a worker thread claimed (queue.claim_next) to its end and persist
     it, with the worker's `liveness` (its heartbeat), `running` turns (a cancel reaches it
     there) and kept `histories`. Returns whether other turns were waiting for a worker slot
     as it ended (True when that is not known): the thread then claims the next."""

@@ -102,7 +102,7 @@ def session_delete(*, tenant, session_id: str) -> None:
 
     Locks the session, then (deleting them) its turns: the one lock order of every
     transaction on a session and its turns (docs/api.md "Guarantees"), which a turn's end
-    (services.execution._finish) takes too, so a delete never waits on a turn in a cycle."""
+    (worker._finish) takes too, so a delete never waits on a turn in a cycle."""
     with transaction.atomic():
         session = _session_for_update(tenant, session_id)
         turn = session.active_turn
