@@ -629,8 +629,10 @@ def publish_stop(turn_id: str, stop_reason: str, meta: dict, *, seq: int | None 
     if meta:
         event["_meta"] = meta
     try:
-        # The last event: its publish also clears the turn's lease.
-        backend.publish_sync(turn_id, seq or events.last_seq_sync(turn_id) + 1, event, final=True)
+        # The last event: its publish also clears the turn's lease. Without `seq` (another
+        # process ends the turn: a delete, a cancel) it goes after whatever the stream holds
+        # when it is written, so an event the worker writes meanwhile cannot take its place.
+        backend.publish_sync(turn_id, seq or 1, event, final=True)
     except Exception:  # the turn's ending stands in PostgreSQL whatever its live event does
         logger.warning("could not publish turn_stop of %s", turn_id, exc_info=True)
         try:

@@ -71,3 +71,44 @@ def test_the_memory_backend_fences_the_same_way(settings):
     with pytest.raises(StreamEnded):
         asyncio.run(memory.publish_many("t", [(3, DELTA)]))
     assert memory.read_all_sync("t") == [(1, START), (2, STOP)]
+
+
+def test_an_ending_whose_id_was_taken_meanwhile_goes_last(redis_events):
+    """Another process ends a turn (a delete, a cancel) from the last id it read, while the
+    worker writes its next event: the ending is written after that event, never dropped, and
+    followers are told its real id."""
+    turn = f"fence-{uuid.uuid4().hex}"
+    asyncio.run(redis_events.publish_many(turn, [(1, START), (2, DELTA)]))
+    told: list = []
+
+    async def follow():
+        async with redis_events.watch(turn) as watcher:
+            redis_events.publish_sync(turn, 2, STOP, final=True)  # id 2 was taken meanwhile
+            await asyncio.wait_for(watcher.wake.wait(), 5)
+            told.extend(watcher.take(0))
+
+    asyncio.run(follow())
+    assert redis_events.read_all_sync(turn) == [(1, START), (2, DELTA), (3, STOP)]
+    assert told == [(3, STOP)]
+    with pytest.raises(StreamEnded):
+        asyncio.run(redis_events.publish_many(turn, [(3, DELTA)]))
+
+    # Control: an ending at a free id is written there.
+    other = f"fence-{uuid.uuid4().hex}"
+    redis_events.publish_sync(other, 1, START)
+    redis_events.publish_sync(other, 2, STOP, final=True)
+    assert redis_events.read_all_sync(other) == [(1, START), (2, STOP)]
+
+
+def test_the_memory_backend_puts_a_late_ending_last(settings):
+    memory = MemoryEvents()
+    memory.publish_sync("t", 1, START)
+    memory.publish_sync("t", 2, DELTA)
+    memory.publish_sync("t", 2, STOP, final=True)
+    assert memory.read_all_sync("t") == [(1, START), (2, DELTA), (3, STOP)]
+    with pytest.raises(StreamEnded):
+        memory.publish_sync("t", 4, DELTA)
+    # Control: an event that is not an ending still needs an id of its own.
+    memory.publish_sync("u", 1, START)
+    with pytest.raises(ValueError):
+        memory.publish_sync("u", 1, DELTA)

@@ -49,7 +49,9 @@ class MemoryEvents:
             if log.events and log.events[-1][1].get("event") == "turn_stop":
                 raise StreamEnded(turn_id)
             if log.events and log.events[-1][0] >= seq:
-                raise ValueError("event ids must increase")
+                if not final:
+                    raise ValueError("event ids must increase")
+                seq = log.events[-1][0] + 1  # the ending is never dropped: it goes last
             log.events.append((seq, event))
             if final:
                 log.expires_at = time.monotonic() + settings.AAP_EVENT_RETENTION_SECONDS

@@ -57,15 +57,32 @@ def notify_channel(turn_id: str) -> str:
 # expiry in seconds (0: leave it), 1 if this write ends the stream, the publication, then
 # (entry id, event) pairs. An entry there already (a write retried after its connection
 # failed may have been applied) is skipped. Returns 0, writing nothing, if the stream ended.
+# The ending (one event) is never skipped: when its id is taken (a worker's event written
+# between the caller reading the last id and this write), it goes after the last entry, and
+# its publication says so.
 _APPEND = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local publication = ARGV[4]
+local first_id = ARGV[5]
+if ARGV[3] == '1' then
+  local seq = tonumber(string.sub(ARGV[5], 3))
+  local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+  if #last > 0 then
+    local n = tonumber(string.match(last[1][1], '%-(%d+)$'))
+    if n >= seq then seq = n + 1 end
+  end
+  first_id = '0-' .. seq
+  publication = '[[' .. seq .. ',' .. ARGV[6] .. ']]'
+end
 for i = 5, #ARGV, 2 do
-  local added = redis.pcall('XADD', KEYS[1], ARGV[i], 'e', ARGV[i + 1])
+  local id = ARGV[i]
+  if i == 5 then id = first_id end
+  local added = redis.pcall('XADD', KEYS[1], id, 'e', ARGV[i + 1])
   if type(added) == 'table' and added.err and not string.find(added.err, 'equal or smaller', 1, true) then
     return added
   end
 end
-redis.call('PUBLISH', ARGV[1], ARGV[4])
+redis.call('PUBLISH', ARGV[1], publication)
 if ARGV[2] ~= '0' then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 if ARGV[3] == '1' then
   redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
@@ -76,7 +93,10 @@ return 1
 
 
 def _append_args(turn_id: str, encoded: list[tuple[int, str]], expire: int, final: bool) -> list:
-    """EVAL's arguments for `_APPEND`: `encoded` holds (seq, event as JSON) pairs."""
+    """EVAL's arguments for `_APPEND`: `encoded` holds (seq, event as JSON) pairs; an ending
+    (`final`) is one event."""
+    if final and len(encoded) != 1:
+        raise ValueError("an ending is written alone")
     publication = "[" + ",".join(f"[{seq},{text}]" for seq, text in encoded) + "]"
     args: list = [_APPEND, 3, stream_key(turn_id), ended_key(turn_id), lease_key(turn_id)]
     args += [notify_channel(turn_id), expire, int(final), publication]
@@ -239,7 +259,8 @@ class RedisEvents:
 
     def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
         """Write one event; `final` (a `turn_stop`) ends the stream: it keeps the events for
-        AAP_EVENT_RETENTION_SECONDS and takes no more. Raises StreamEnded if it had ended."""
+        AAP_EVENT_RETENTION_SECONDS and takes no more, and goes after the last event if `seq`
+        is taken (it is never dropped). Raises StreamEnded if it had ended."""
         expire = settings.AAP_EVENT_RETENTION_SECONDS if final else live_stream_ttl()
         if not self.sync.execute_command("EVAL", *_append_args(turn_id, [(seq, json.dumps(event))], expire, final)):
             raise StreamEnded(turn_id)
