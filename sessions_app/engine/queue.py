@@ -25,7 +25,7 @@ from datetime import datetime, timedelta
 from celery import current_app
 from celery.utils.nodenames import worker_direct
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Count
 from django.utils import timezone
 from django.utils.module_loading import import_string
@@ -194,6 +194,14 @@ def worker_slots(seen_since: datetime) -> int:
 WAKE = "sessions_app.tasks.wake"
 # This process's own worker, in the embedded mode (sessions_app.engine.worker), by name likewise.
 EMBEDDED_WAKE = "sessions_app.engine.worker.wake_embedded"
+
+
+def wake_after_commit(node: str | None = None) -> None:
+    """Inside the transaction that stores a turn: wake a worker once it commits, unless the
+    turn's insert already did (PostgreSQL's NOTIFY, delivered at the commit)."""
+    if settings.REDIS_URL and connection.vendor == "postgresql":
+        return
+    transaction.on_commit(lambda: wake(node))
 
 
 def wake(node: str | None = None) -> None:

@@ -139,7 +139,7 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         if queued:
             start_meta["queued"] = queued
         events.backend().publish_sync(turn.id, 1, {"event": "turn_start", "_meta": start_meta})
-        transaction.on_commit(lambda: queue.wake(node))
+        queue.wake_after_commit(node)
     metrics.turn_started(agent=agent.name, tenant=tenant.name, stream=mode)
     return turn
 
