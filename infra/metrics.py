@@ -167,6 +167,12 @@ def acp_process_killed() -> None:
     ACP_KILLED.inc()
 
 
+def enabled() -> bool:
+    """Metrics are read somewhere (AAP_METRICS is not `off`): only then is per-event work done
+    for them."""
+    return _MODE != "off"
+
+
 async def relayed(body, *, mode: str, after: int):
     """Wrap a turn response's body (stream.TurnStreamHandoff): open streams, events
     written, and the time to the first agent event for a client attached from the start."""

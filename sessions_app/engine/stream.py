@@ -267,7 +267,8 @@ class TurnStreamHandoff:
         turn_id, mode, after, token = handoff["spec"].split(" ")
         token_id = int(token) or None
         body = json_result(turn_id, token_id) if mode == "none" else sse_stream(turn_id, int(after), token_id, mode)
-        body = metrics.relayed(body, mode=mode, after=int(after))
+        if metrics.enabled():  # a layer per chunk: only when the metrics are read
+            body = metrics.relayed(body, mode=mode, after=int(after))
         await send(handoff["start"])
         # An empty chunk makes the server write the head now (Twisted waits for body bytes), so
         # every client has `AAP-Turn-Id` at once, `stream: "none"` included.
