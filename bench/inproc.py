@@ -212,6 +212,8 @@ def run_statements(turns: int, agent: str, stream: str) -> dict:
     turn's: this Worker makes none (`beats=False`; woken by each turn, as in the embedded mode)."""
     import httpx
 
+    from django.db import transaction
+
     from hosting.asgi import application
     from sessions_app.engine import queue
     from sessions_app.engine.worker import Worker
@@ -219,7 +221,8 @@ def run_statements(turns: int, agent: str, stream: str) -> dict:
     counter = StatementCounter()
     counter.install()
     worker = Worker(f"bench-statements-{os.getpid()}", 1, beats=False)
-    queue.wake = lambda node=None: worker.wake()  # no broker: this process's Worker is woken
+    # No listener: this process's Worker is woken at each turn's commit instead of by NOTIFY.
+    queue.wake_after_commit = lambda node=None: transaction.on_commit(worker.wake)
     worker.start()
     worker.round()  # its heartbeat row, once: its slot counts in the capacity turns are admitted against
     body = {"messages": [{"role": "user", "content": "hello world"}], "stream": stream}

@@ -177,7 +177,9 @@ class BenchStack:
     def start_web(self, wait: bool = True) -> None:
         self.web = self._spawn(
             "daphne",
-            [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "hosting.asgi:application"],
+            # As deployed (scripts/run.sh, deploy/entrypoint.sh): Daphne with the access log
+            # written through logging, not Daphne's own stdout lines.
+            [str(BIN / "python"), "-m", "infra.webserver", "-b", "127.0.0.1", "-p", str(self.port), "hosting.asgi:application"],
         )
         if wait:
             self.wait_web()
