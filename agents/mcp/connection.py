@@ -32,7 +32,7 @@ from mcp_types import CONNECTION_CLOSED
 
 from infra import logs
 
-from ..netguard import AddressRefused, GuardedTransport, checked_address
+from ..netguard import AddressRefused, GuardedHttpx2Transport, checked_address
 from ..runtimes.acp_bridge import limits, sandbox
 from ..runtimes.acp_bridge.process import MAX_MESSAGE_BYTES, AgentProcess, ProcessSpec
 from ..runtimes.mcp_config import Server
@@ -149,7 +149,7 @@ async def _http(server: Server, headers: dict[str, str]) -> AsyncIterator[tuple]
     # Checked before anything is sent; the transport checks and pins every request again.
     await checked_address(url.hostname or "", port, allow_private=allow_private)
     client = httpx2.AsyncClient(
-        transport=GuardedTransport(allow_private=allow_private, http=httpx2),
+        transport=GuardedHttpx2Transport(allow_private=allow_private),
         headers=headers,
         timeout=httpx2.Timeout(server.timeout, read=max(server.timeout, 300.0)),
         trust_env=False,
@@ -319,9 +319,8 @@ class Connection:
                     call.cancel()
                     with contextlib.suppress(BaseException):
                         await call
-            closed = (
-                call in done and isinstance(call.exception(), MCPError) and call.exception().code == CONNECTION_CLOSED
-            )
+            error = call.exception() if call in done else None
+            closed = isinstance(error, MCPError) and error.code == CONNECTION_CLOSED
             if call in done and not closed:
                 failure = call.exception()
                 if failure is not None and not isinstance(failure, MCPError):
@@ -333,8 +332,9 @@ class Connection:
                 raise McpFailure(
                     f"The MCP server '{self.server.name}' did not answer within {self.server.timeout:g} seconds."
                 )
-            with contextlib.suppress(TimeoutError):  # the connection's task says why it ended
-                await asyncio.wait_for(asyncio.shield(self._task), 5)
+            if self._task is not None:  # it has one: it made the session
+                with contextlib.suppress(TimeoutError):  # the connection's task says why it ended
+                    await asyncio.wait_for(asyncio.shield(self._task), 5)
             raise McpFailure(self.failure or self._exit_sentence())
         finally:
             self.users -= 1
