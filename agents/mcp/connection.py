@@ -90,12 +90,12 @@ def process_spec(server: Server, *, key: str, label: str, unit: str, home: Path,
 @asynccontextmanager
 async def _stdio(process: ServerProcess, closed: Callable[[], None]) -> AsyncIterator[tuple]:
     """The process's pipes as the SDK's read and write streams."""
-    await process.spawn()
+    pipes = await process.spawn()
     reader_out, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](16)
     write_stream, writer_in = anyio.create_memory_object_stream[SessionMessage](16)
 
     async def read() -> None:
-        stdout = process.process.stdout
+        stdout = pipes.stdout
         async with reader_out:
             while True:
                 try:
@@ -117,7 +117,7 @@ async def _stdio(process: ServerProcess, closed: Callable[[], None]) -> AsyncIte
         closed()
 
     async def write() -> None:
-        stdin = process.process.stdin
+        stdin = pipes.stdin
         async with writer_in:
             async for item in writer_in:
                 data = item.message.model_dump_json(by_alias=True, exclude_unset=True) + "\n"
