@@ -14,6 +14,7 @@ import json
 
 from django import forms
 from django.core.exceptions import ValidationError
+from django.utils.datastructures import MultiValueDict
 from django.utils.html import format_html, format_html_join
 
 from infra import crypto
@@ -187,9 +188,11 @@ class AgentOptionForm(forms.ModelForm):
         super().full_clean()
         if self.is_bound and self.data.get(self.add_prefix("type")) == AgentOption.SECRET:
             # Whatever was typed for a secret is never rendered back, even if the form has errors.
-            self.data = self.data.copy()
+            # A request's QueryDict is immutable and its copy is not; a plain mapping is copied.
+            data = self.data.copy() if isinstance(self.data, MultiValueDict) else dict(self.data)
             for name in ("default", "secret_value"):
-                self.data[self.add_prefix(name)] = ""
+                data[self.add_prefix(name)] = ""
+            self.data = data
 
 
 class AgentOptionFormSet(forms.BaseInlineFormSet):

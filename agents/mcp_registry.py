@@ -115,7 +115,10 @@ def tools_for(agent) -> tuple[list[dict], dict]:
         tools = [tool for tool in (row.tools if row else []) if tool["server"] in names]
         listed = {tool["server"] for tool in tools}
         return tools, {name: ASKED.format(name) for name in names - listed}
-    tools, problems = refresh(agent) if stale(agent, row) else (row.tools, row.problems)
+    if row is None or stale(agent, row):
+        tools, problems = refresh(agent)
+    else:
+        tools, problems = row.tools, row.problems
     with _lock:
         _cache[agent.pk] = (key, now, tools, problems)
     return tools, problems

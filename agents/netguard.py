@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from typing import Any
 
 import httpx
+import httpx2
 
 # IPv6 ranges whose addresses carry an IPv4 address a gateway may forward to: NAT64
 # (well-known and local-use), 6to4, IPv4-compatible, IPv4-mapped, Teredo.
@@ -88,6 +90,15 @@ async def checked_address(host: str, port: int, *, allow_private: bool = False) 
     return addresses[0]
 
 
+async def _pinned(scheme: str, host: str, port: int | None, *, allow_private: bool) -> tuple[tuple[str, str, int], str]:
+    """A request's connection pool key (scheme, host name, port) and the checked address it goes to."""
+    if scheme not in ("http", "https") or not host:
+        raise AddressRefused("Only http:// and https:// URLs with a host can be reached.")
+    port = port or (443 if scheme == "https" else 80)
+    address = await checked_address(host, port, allow_private=allow_private)
+    return (scheme, host, port), address
+
+
 class GuardedTransport(httpx.AsyncBaseTransport):
     """An httpx transport that checks and pins every request's destination (see the module).
 
@@ -95,25 +106,44 @@ class GuardedTransport(httpx.AsyncBaseTransport):
     carries a request for another name that resolves to the same address.
     """
 
-    def __init__(self, *, allow_private: bool = False, http=httpx, **transport_options):
-        # `http`: the httpx package of the client this transport serves (the openai SDK ships
-        # its own fork, httpx2): the pools must take that package's requests.
+    def __init__(self, *, allow_private: bool = False, **transport_options: Any):
         self.allow_private = allow_private
-        self._http = http
         self._options = {"trust_env": False, **transport_options}
         self._pools: dict[tuple[str, str, int], httpx.AsyncHTTPTransport] = {}
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
-        if url.scheme not in ("http", "https") or not url.host:
-            raise AddressRefused("Only http:// and https:// URLs with a host can be reached.")
-        port = url.port or (443 if url.scheme == "https" else 80)
-        address = await checked_address(url.host, port, allow_private=self.allow_private)
-        key = (url.scheme, url.host, port)
+        key, address = await _pinned(url.scheme, url.host, url.port, allow_private=self.allow_private)
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = self._http.AsyncHTTPTransport(**self._options)
+            pool = self._pools[key] = httpx.AsyncHTTPTransport(**self._options)
         # The Host header was set from the name when the request was built; only the socket moves.
+        request.url = url.copy_with(host=address)
+        if url.scheme == "https":
+            request.extensions = {**request.extensions, "sni_hostname": url.host}
+        return await pool.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            await pool.aclose()
+
+
+class GuardedHttpx2Transport(httpx2.AsyncBaseTransport):
+    """GuardedTransport for clients of httpx2, the httpx fork the openai and MCP SDKs build on:
+    the pools must take that package's requests."""
+
+    def __init__(self, *, allow_private: bool = False, **transport_options: Any):
+        self.allow_private = allow_private
+        self._options = {"trust_env": False, **transport_options}
+        self._pools: dict[tuple[str, str, int], httpx2.AsyncHTTPTransport] = {}
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        url = request.url
+        key, address = await _pinned(url.scheme, url.host, url.port, allow_private=self.allow_private)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = httpx2.AsyncHTTPTransport(**self._options)
         request.url = url.copy_with(host=address)
         if url.scheme == "https":
             request.extensions = {**request.extensions, "sni_hostname": url.host}

@@ -109,7 +109,11 @@ def _apply_tools(agent: Agent, tools: list, name: str) -> None:
         tool.title = spec.get("title", "")
         tool.description = spec.get("description", "")
         tool.parameters = spec.get("parameters") or {}
-        tool.implementation = spec.get("implementation", spec["name"])
+        implementation = spec.get("implementation", spec["name"])
+        if not isinstance(implementation, str):
+            # A list or an object would reach the host tools' registry as a key and fail there.
+            raise AgentFileError(f"Agent '{name}': server tool '{spec['name']}': 'implementation' must be a string.")
+        tool.implementation = implementation
         tool.settings = spec.get("settings") or {}
         tool.enabled = spec.get("enabled", True)
         tool.position = position

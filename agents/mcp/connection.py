@@ -32,7 +32,7 @@ from mcp_types import CONNECTION_CLOSED
 
 from infra import logs
 
-from ..netguard import AddressRefused, GuardedTransport, checked_address
+from ..netguard import AddressRefused, GuardedHttpx2Transport, checked_address
 from ..runtimes.acp_bridge import limits, sandbox
 from ..runtimes.acp_bridge.process import MAX_MESSAGE_BYTES, AgentProcess, ProcessSpec
 from ..runtimes.mcp_config import Server
@@ -90,12 +90,12 @@ def process_spec(server: Server, *, key: str, label: str, unit: str, home: Path,
 @asynccontextmanager
 async def _stdio(process: ServerProcess, closed: Callable[[], None]) -> AsyncIterator[tuple]:
     """The process's pipes as the SDK's read and write streams."""
-    await process.spawn()
+    pipes = await process.spawn()
     reader_out, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](16)
     write_stream, writer_in = anyio.create_memory_object_stream[SessionMessage](16)
 
     async def read() -> None:
-        stdout = process.process.stdout
+        stdout = pipes.stdout
         async with reader_out:
             while True:
                 try:
@@ -117,7 +117,7 @@ async def _stdio(process: ServerProcess, closed: Callable[[], None]) -> AsyncIte
         closed()
 
     async def write() -> None:
-        stdin = process.process.stdin
+        stdin = pipes.stdin
         async with writer_in:
             async for item in writer_in:
                 data = item.message.model_dump_json(by_alias=True, exclude_unset=True) + "\n"
@@ -149,7 +149,7 @@ async def _http(server: Server, headers: dict[str, str]) -> AsyncIterator[tuple]
     # Checked before anything is sent; the transport checks and pins every request again.
     await checked_address(url.hostname or "", port, allow_private=allow_private)
     client = httpx2.AsyncClient(
-        transport=GuardedTransport(allow_private=allow_private, http=httpx2),
+        transport=GuardedHttpx2Transport(allow_private=allow_private),
         headers=headers,
         timeout=httpx2.Timeout(server.timeout, read=max(server.timeout, 300.0)),
         trust_env=False,
@@ -319,9 +319,8 @@ class Connection:
                     call.cancel()
                     with contextlib.suppress(BaseException):
                         await call
-            closed = (
-                call in done and isinstance(call.exception(), MCPError) and call.exception().code == CONNECTION_CLOSED
-            )
+            error = call.exception() if call in done else None
+            closed = isinstance(error, MCPError) and error.code == CONNECTION_CLOSED
             if call in done and not closed:
                 failure = call.exception()
                 if failure is not None and not isinstance(failure, MCPError):
@@ -333,8 +332,9 @@ class Connection:
                 raise McpFailure(
                     f"The MCP server '{self.server.name}' did not answer within {self.server.timeout:g} seconds."
                 )
-            with contextlib.suppress(TimeoutError):  # the connection's task says why it ended
-                await asyncio.wait_for(asyncio.shield(self._task), 5)
+            if self._task is not None:  # it has one: it made the session
+                with contextlib.suppress(TimeoutError):  # the connection's task says why it ended
+                    await asyncio.wait_for(asyncio.shield(self._task), 5)
             raise McpFailure(self.failure or self._exit_sentence())
         finally:
             self.users -= 1

@@ -111,5 +111,5 @@ class Pool:
         """The process exits: kill every server process still running (bounded, synchronous)."""
         for connection in list(self._connections.values()):
             process = connection.process
-            if process is not None and process.pid and process.process.returncode is None:
+            if process is not None and process.process is not None and process.process.returncode is None:
                 process._signal(9)

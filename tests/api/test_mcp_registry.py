@@ -115,7 +115,7 @@ def test_the_web_never_starts_a_stdio_server_a_worker_lists_it(api, settings, mo
 
     async def recorded_spawn(self):
         spawned.append((host_process.worker_node, self.spec.label))
-        await spawn(self)
+        return await spawn(self)
 
     monkeypatch.setattr(process.AgentProcess, "spawn", recorded_spawn)
     monkeypatch.setattr(sandbox, "harden_host", lambda: None)  # this test process stays as it is

@@ -171,20 +171,37 @@ def test_one_sdk_client_per_endpoint_per_process(model):
 
 
 def test_the_guarded_transport_carries_the_sdks_own_requests(model):
-    """The openai SDK builds its clients on its own httpx package (a fork in recent releases):
-    the network guard's connection pools must take that package's requests, or every model
-    call to an application-chosen endpoint fails inside the transport."""
+    """The openai SDK builds its clients on its own httpx package (httpx2, a fork): the network
+    guard's connection pools must take that package's requests, or every model call to an
+    application-chosen endpoint fails inside the transport."""
+    import httpx2
     import openai
 
-    from agents.netguard import GuardedTransport
-    from agents.runtimes.openai.client import sdk_http
+    from agents.netguard import GuardedHttpx2Transport
 
     async def go():
         # allow_private: the fake model is on loopback; the pools are the same as for a public address
-        http = openai.DefaultAsyncHttpxClient(transport=GuardedTransport(allow_private=True, http=sdk_http()))
+        http = openai.DefaultAsyncHttpxClient(transport=GuardedHttpx2Transport(allow_private=True))
+        assert isinstance(http, httpx2.AsyncClient)
         client = openai.AsyncOpenAI(api_key="k", base_url=model.url, http_client=http, max_retries=0)
         models = await client.models.list()
         await http.aclose()
         return [m.id for m in models.data]
 
     assert asyncio.run(go())
+
+
+def test_an_unread_streamed_error_body_leaves_the_provider_text_empty():
+    """A status error whose streamed body was never read (httpx2 raises ResponseNotRead for its
+    text) is logged without the provider's words, not raised from the logging."""
+    import httpx2
+    import openai
+
+    from agents.runtimes.openai.client import provider_text
+
+    async def body():
+        yield b'{"error": {"message": "overloaded"}}'
+
+    request = httpx2.Request("POST", "https://models.example/v1/chat/completions")
+    response = httpx2.Response(500, request=request, content=body())
+    assert provider_text(openai.InternalServerError("Error code: 500", response=response, body=None)) == ""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from aap.types import StopReason
+
 from .session import CallState
 
 TOOL_KINDS = {
@@ -20,7 +22,7 @@ TOOL_KINDS = {
     "other": ("Other", "Any other tool of the agent."),
 }
 
-STOP_REASONS = {
+STOP_REASONS: dict[str, StopReason] = {
     "end_turn": "end_turn",
     "max_tokens": "max_tokens",
     "max_turn_requests": "max_tokens",

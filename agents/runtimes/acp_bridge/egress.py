@@ -97,6 +97,8 @@ class EgressProxy:
             return
         self._full = False
         task = asyncio.current_task()
+        if task is None:  # never: asyncio.start_server runs each connection's callback as a task
+            raise RuntimeError("an egress connection served outside a task")
         self._tasks.add(task)
         try:
             await self._handle(reader, writer)

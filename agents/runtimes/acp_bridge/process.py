@@ -28,6 +28,7 @@ from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import acp
 from acp import schema
@@ -75,6 +76,22 @@ class ProcessSpec:
             if len(value) >= 4:
                 text = text.replace(value, "***")
         return text
+
+
+@dataclass(frozen=True)
+class Pipes:
+    """A started process's pipes (AgentProcess.spawn pipes all three)."""
+
+    stdin: asyncio.StreamWriter
+    stdout: asyncio.StreamReader
+    stderr: asyncio.StreamReader
+
+    @classmethod
+    def of(cls, process: asyncio.subprocess.Process) -> Pipes:
+        """A process's pipes; asyncio types each as optional, set when it was piped."""
+        if process.stdin is None or process.stdout is None or process.stderr is None:
+            raise RuntimeError("the process was started without its pipes")
+        return cls(process.stdin, process.stdout, process.stderr)
 
 
 class _AgentOutput(NdjsonTransport):
@@ -204,6 +221,25 @@ class BridgeClient:
             self._terminals(session, "terminal/release").release(terminal_id)
         return {}
 
+    # What else acp.Client declares, answered as the SDK answers a client without it.
+
+    async def create_elicitation(
+        self, message: str, mode: schema.ElicitationMode, **kwargs: Any
+    ) -> schema.CreateElicitationResponse:
+        raise acp.RequestError.method_not_found("elicitation/create")
+
+    async def complete_elicitation(self, elicitation_id: str, **kwargs: Any) -> None:
+        raise acp.RequestError.method_not_found("elicitation/complete")
+
+    async def ext_method(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        raise acp.RequestError.method_not_found(f"_{method}")
+
+    async def ext_notification(self, method: str, params: dict[str, Any]) -> None:
+        return None
+
+    def on_connect(self, conn: acp.Agent) -> None:
+        return None
+
 
 _UNIT_LOCKS: dict[str, asyncio.Lock] = {}
 
@@ -222,7 +258,7 @@ class AgentProcess:
         self.spec = spec
         self.sessions: dict[str, AcpSession] = {}  # by ACP session id
         self.process: asyncio.subprocess.Process | None = None
-        self.conn = None
+        self.conn: acp.ClientSideConnection | None = None  # once started
         self.capabilities = schema.AgentCapabilities()
         self.failure: str | None = None  # a safe sentence once it is stopped or gone
         self.last_used = time.monotonic()
@@ -255,16 +291,23 @@ class AgentProcess:
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
+    @property
+    def connection(self) -> acp.ClientSideConnection:
+        """The ACP connection; an agent's sessions exist only once it started."""
+        if self.conn is None:
+            raise AgentError(self.failure or f"The {self.what} is not started.")
+        return self.conn
+
     async def start(self) -> None:
-        await self.spawn()
-        self._output = _AgentOutput(self.process.stdout, self.process.stdin)
-        self.conn = acp.connect_to_agent(BridgeClient(self), self._output)
+        pipes = await self.spawn()
+        self._output = _AgentOutput(pipes.stdout, pipes.stdin)
+        self.conn = conn = acp.connect_to_agent(BridgeClient(self), self._output)
         capabilities = schema.ClientCapabilities(
             fs=schema.FileSystemCapabilities(read_text_file=True, write_text_file=True), terminal=self.spec.terminal
         )
         try:
             response = await self.call(
-                self.conn.initialize(
+                conn.initialize(
                     protocol_version=PROTOCOL_VERSION,
                     client_capabilities=capabilities,
                     client_info=schema.Implementation(name="aap-hosting", title="AAP hosting", version="1.0.0"),
@@ -276,7 +319,7 @@ class AgentProcess:
             raise
         self.capabilities = response.agent_capabilities or schema.AgentCapabilities()
 
-    async def spawn(self) -> None:
+    async def spawn(self) -> Pipes:
         """Start the process in its sandbox (stdin and stdout piped, stderr kept) and watch it;
         what it speaks over its pipes is the caller's (ACP here, MCP for agents.mcp)."""
         sandbox.harden_host()
@@ -289,7 +332,7 @@ class AgentProcess:
             await self._close_proxy()
             raise AgentError(self.failure) from None
         try:
-            self.process = await asyncio.create_subprocess_exec(
+            process = self.process = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
@@ -308,12 +351,13 @@ class AgentProcess:
         finally:
             if env_fd is not None:
                 os.close(env_fd)
+        pipes = Pipes.of(process)
         if self.spec.sandbox is None:
             logger.warning(
                 "%s %s started WITHOUT A SANDBOX (pid %s, %s): unsafeWithoutSandbox is set; it has the worker's reach",
                 self.noun,
                 self.spec.label,
-                self.process.pid,
+                process.pid,
                 self.spec.argv[0],
             )
         else:
@@ -321,7 +365,7 @@ class AgentProcess:
                 "%s %s started (pid %s, %s, sandboxed as uid %s)",
                 self.noun,
                 self.spec.label,
-                self.process.pid,
+                process.pid,
                 self.spec.argv[0],
                 self.uid if self.uid is not None else os.getuid(),
             )
@@ -331,9 +375,10 @@ class AgentProcess:
         # that turn and may serve other sessions).
         unit_context = self.log_context()
         self._tasks = [
-            loop.create_task(self._drain_stderr(), context=unit_context.copy()),
-            loop.create_task(self._watch(), context=unit_context.copy()),
+            loop.create_task(self._drain_stderr(pipes.stderr), context=unit_context.copy()),
+            loop.create_task(self._watch(process), context=unit_context.copy()),
         ]
+        return pipes
 
     async def _command(self) -> tuple[list[str], dict, Path, int | None]:
         """The argv, environment and cwd that start the agent (in its sandbox, unless opted out),
@@ -549,10 +594,10 @@ class AgentProcess:
             await self.stop(self.failure, kill=True)
         return self.failure
 
-    async def _drain_stderr(self) -> None:
+    async def _drain_stderr(self, stderr: asyncio.StreamReader) -> None:
         # Kept in memory (redacted when logged): an agent may print anything there.
         with contextlib.suppress(Exception):
-            while line := await self.process.stderr.readline():
+            while line := await stderr.readline():
                 self._stderr.append(line.decode("utf-8", errors="replace").rstrip()[:500])
 
     async def _exit_failure(self, code: int) -> str:
@@ -579,24 +624,24 @@ class AgentProcess:
             "%s %s (pid %s) exited with code %s; last stderr lines:\n%s",
             self.noun,
             self.spec.label,
-            self.process.pid,
+            self.pid,
             code,
             tail,
         )
         return f"The agent process exited unexpectedly (exit code {code})."
 
-    async def _watch(self) -> None:
-        code = await self.process.wait()
+    async def _watch(self, process: asyncio.subprocess.Process) -> None:
+        code = await process.wait()
         metrics.acp_process_exited()
-        exited = self.failure is None  # on its own: no stop is under way
-        if exited:
+        reason: str | None = None  # set when it exited on its own: no stop is under way
+        if self.failure is None:
             failure = await self._exit_failure(code)
-            self.failure = self.failure or failure
+            reason = self.failure = self.failure or failure
         for session in list(self.sessions.values()):
             session.close()
-        if exited:  # what it left running goes too
+        if reason is not None:  # what it left running goes too
             try:
-                await self.stop(self.failure)
+                await self.stop(reason)
             except Exception:  # the watcher's boundary: the unit is killed with the worker at worst
                 logger.warning("stopping what ACP agent %s left failed", self.spec.label, exc_info=True)
 
@@ -628,7 +673,8 @@ class AgentProcess:
                 self._signal(signal.SIGKILL)
             else:  # as the agent expects: stdin closed (Agentao saves its sessions then), time to exit
                 with contextlib.suppress(Exception):
-                    process.stdin.close()
+                    if process.stdin is not None:
+                        process.stdin.close()
                 waits = ((settings.AAP_ACP_STOP_GRACE_SECONDS, signal.SIGTERM), (TERM_GRACE_SECONDS, signal.SIGKILL))
                 for seconds, sig in waits:
                     try:

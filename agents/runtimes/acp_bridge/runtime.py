@@ -31,8 +31,10 @@ import secrets
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import acp
+from acp import schema
 from django.conf import settings
 
 from aap.messages import denial_text
@@ -54,6 +56,15 @@ REAP_INTERVAL_SECONDS = 2.0
 # A shutdown waits for the graceful stops (AAP_ACP_STOP_GRACE_SECONDS each, all at once) and
 # this much more for what follows an agent's exit (SIGTERM's wait, closing the connection).
 SHUTDOWN_SLACK_SECONDS = 15.0
+
+# What `session/prompt` takes (this bridge sends text and image blocks).
+PromptBlock = (
+    schema.TextContentBlock
+    | schema.ImageContentBlock
+    | schema.AudioContentBlock
+    | schema.ResourceContentBlock
+    | schema.EmbeddedResourceContentBlock
+)
 
 
 class AcpRuntime(Runtime):
@@ -116,7 +127,7 @@ class AcpRuntime(Runtime):
         claimed: list[AgentProcess] = []  # in use by this turn: never reaped meanwhile
         try:
             if ctx.permissions:
-                if prompt is None:
+                if session is None or prompt is None:  # a prompt is always a session's
                     return await self._answer_lost(ctx)
                 claimed.append(self._claim(session.process))
                 await self._holds.release(ctx.session_id)
@@ -179,23 +190,26 @@ class AcpRuntime(Runtime):
         # plan, available_commands_update, current_mode_update, user_message_chunk and the
         # other session updates have no AAP event: they are skipped, never an error.
 
-    async def _show_call(self, ctx: TurnContext, state: CallState, acp_id: str, *, asking: bool = False) -> None:
+    async def _show_call(self, ctx: TurnContext, state: CallState, acp_id: str, *, asking: bool = False) -> str:
         """Emit the call's `tool_call` event with what the agent sent for it so far, once; when
-        asking permission for an input other than the one shown, as a new AAP tool call."""
+        asking permission for an input other than the one shown, as a new AAP tool call. The
+        AAP tool call's id."""
         if state.aap_id is not None and not (asking and state.shown != state.binding):
-            return
+            return state.aap_id
         if state.aap_id is not None and not state.resolved:
             await self._result(ctx, state, "The agent changed this tool call's input; the next tool call shows it.")
         # AAP ids are the service's own: ACP ids are only unique within one ACP session.
-        state.aap_id, state.shown, state.resolved = "call_" + uuid.uuid4().hex, state.binding, False
+        aap_id = state.aap_id = "call_" + uuid.uuid4().hex
+        state.shown, state.resolved = state.binding, False
         meta: dict = {"acpToolCallId": acp_id}
         if state.title:
             meta["title"] = state.title
         if state.locations:
             meta["locations"] = state.locations
         await ctx.emit(
-            {"event": "tool_call", "toolCallId": state.aap_id, "name": state.kind, "input": state.input, "_meta": meta}
+            {"event": "tool_call", "toolCallId": aap_id, "name": state.kind, "input": state.input, "_meta": meta}
         )
+        return aap_id
 
     @staticmethod
     def _changed_after_allowed(state: CallState) -> str:
@@ -217,7 +231,7 @@ class AcpRuntime(Runtime):
         It is asked for the call as the agent last described it (its updates and the request's
         own toolCall merged), and a grant holds for that kind and input only."""
         state = prompt.call_state(waiter.tool_call)
-        await self._show_call(ctx, state, waiter.call_id, asking=True)
+        aap_id = await self._show_call(ctx, state, waiter.call_id, asking=True)
         kind = state.kind
         if waiter.decided:  # timed out (or cancelled) before a turn saw it
             if not state.resolved:
@@ -232,8 +246,8 @@ class AcpRuntime(Runtime):
             waiter.allow()
             return False
         waiter.asked = state.binding
-        ctx.request_permission(ToolCall(state.aap_id, kind, state.input))
-        prompt.waiting[state.aap_id] = waiter
+        ctx.request_permission(ToolCall(aap_id, kind, state.input))
+        prompt.waiting[aap_id] = waiter
         prompt.parked_at = time.monotonic()
         await self._holds.hold(session.aap_id)
         return True
@@ -331,7 +345,7 @@ class AcpRuntime(Runtime):
             return
         try:
             with contextlib.suppress(Exception):
-                await session.process.conn.cancel(session_id=session.acp_id)
+                await session.process.connection.cancel(session_id=session.acp_id)
             for waiter in prompt.pending_waiters():
                 waiter.cancel()
             deadline = time.monotonic() + CANCEL_GRACE_SECONDS
@@ -383,7 +397,7 @@ class AcpRuntime(Runtime):
         if per_session:
             home = workspace.session_home(ctx.tenant, ctx.session_id, ctx.agent_name)
             unit = sandbox.unit_name("session", ctx.tenant, ctx.session_id)
-            writable = (workspace.workspace_path(ctx.tenant, ctx.session_id), home)
+            writable: tuple[Path, ...] = (workspace.workspace_path(ctx.tenant, ctx.session_id), home)
         else:
             home = workspace.agent_home(ctx.tenant, ctx.agent_name)
             unit = sandbox.unit_name("tenant", ctx.tenant, key[:16])
@@ -477,7 +491,7 @@ class AcpRuntime(Runtime):
         if previous and process.capabilities.load_session:
             try:
                 response = await process.call(
-                    process.conn.load_session(cwd=str(path), session_id=previous, mcp_servers=cfg.mcp_servers),
+                    process.connection.load_session(cwd=str(path), session_id=previous, mcp_servers=cfg.mcp_servers),
                     "session/load",
                 )
                 acp_id = previous
@@ -487,7 +501,7 @@ class AcpRuntime(Runtime):
                 logger.info("ACP agent %s could not load a session; starting a new one", process.spec.label)
         if acp_id is None:
             response = await process.call(
-                process.conn.new_session(cwd=str(path), mcp_servers=cfg.mcp_servers), "session/new"
+                process.connection.new_session(cwd=str(path), mcp_servers=cfg.mcp_servers), "session/new"
             )
             acp_id = response.session_id
         session = AcpSession(
@@ -524,7 +538,7 @@ class AcpRuntime(Runtime):
                 continue
             process = session.process
             await process.call(
-                process.conn.set_config_option(config_id=config_id, session_id=session.acp_id, value=value),
+                process.connection.set_config_option(config_id=config_id, session_id=session.acp_id, value=value),
                 f"option '{name}'",
             )
             session.config_values[config_id] = value
@@ -536,9 +550,9 @@ class AcpRuntime(Runtime):
         prompt.task = asyncio.get_running_loop().create_task(self._send_prompt(session, prompt, blocks))
         return prompt
 
-    async def _send_prompt(self, session: AcpSession, prompt: Prompt, blocks: list) -> None:
+    async def _send_prompt(self, session: AcpSession, prompt: Prompt, blocks: list[PromptBlock]) -> None:
         try:
-            result = await session.process.conn.prompt(session_id=session.acp_id, prompt=blocks)
+            result = await session.process.connection.prompt(session_id=session.acp_id, prompt=blocks)
         except asyncio.CancelledError:
             prompt.queue.put_nowait(("done", ConnectionError("the prompt was abandoned")))
             raise
@@ -548,13 +562,13 @@ class AcpRuntime(Runtime):
         prompt.queue.put_nowait(("done", result))
 
     @staticmethod
-    def _blocks(ctx: TurnContext, process: AgentProcess) -> list:
+    def _blocks(ctx: TurnContext, process: AgentProcess) -> list[PromptBlock]:
         message = ctx.incoming[-1] if ctx.incoming else {}
         content = message.get("content", "")
         if isinstance(content, str):
             return [acp.text_block(content)]
         images = bool(process.capabilities.prompt_capabilities and process.capabilities.prompt_capabilities.image)
-        blocks = []
+        blocks: list[PromptBlock] = []
         for block in content:
             if block.get("type") == "text":
                 blocks.append(acp.text_block(block["text"]))
@@ -576,7 +590,7 @@ class AcpRuntime(Runtime):
         session.process.sessions.pop(session.acp_id, None)
         if prompt is not None and prompt.task is not None and not prompt.task.done() and session.process.alive:
             with contextlib.suppress(Exception):
-                await session.process.conn.cancel(session_id=session.acp_id)
+                await session.process.connection.cancel(session_id=session.acp_id)
 
     async def on_session_deleted(self, *, session_id: str, tenant: str, config: dict) -> None:
         await self._drop(session_id)
@@ -710,6 +724,6 @@ class AcpRuntime(Runtime):
         """Kill every process not yet stopped (the last resort at exit)."""
         stopping = [process for process, _ in list(self._stopping.values())]
         for process in list(self._processes.values()) + stopping:
-            if process.pid and process.process.returncode is None:
+            if process.process is not None and process.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(process.pid, signal.SIGKILL)
+                    os.killpg(process.process.pid, signal.SIGKILL)

@@ -10,6 +10,7 @@ import os
 import signal
 import uuid
 from pathlib import Path
+from typing import TypedDict
 
 import acp
 
@@ -28,18 +29,33 @@ def _trim(data: bytearray, limit: int) -> bool:
     return True
 
 
+class ExitStatus(TypedDict):
+    """ACP's TerminalExitStatus, as sent."""
+
+    exitCode: int | None
+    signal: str | None
+
+
+def _exit_status(code: int) -> ExitStatus:
+    if code < 0:
+        return {"exitCode": None, "signal": signal.Signals(-code).name}
+    return {"exitCode": code, "signal": None}
+
+
 class Terminal:
     def __init__(self, process: asyncio.subprocess.Process, limit: int, timeout: float):
+        if process.stdout is None:
+            raise ValueError("a terminal's output must be piped")
         self.process = process
         self.limit = limit
         self.output = bytearray()
         self.truncated = False
         self.timed_out = False
-        self._reader = asyncio.create_task(self._read())
+        self._reader = asyncio.create_task(self._read(process.stdout))
         self._timer = asyncio.get_running_loop().call_later(timeout, self._time_out)
 
-    async def _read(self) -> None:
-        while chunk := await self.process.stdout.read(65536):
+    async def _read(self, stdout: asyncio.StreamReader) -> None:
+        while chunk := await stdout.read(65536):
             self.output.extend(chunk)
             self.truncated = _trim(self.output, self.limit) or self.truncated
 
@@ -52,19 +68,15 @@ class Terminal:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
 
-    def exit_status(self) -> dict | None:
+    def exit_status(self) -> ExitStatus | None:
         code = self.process.returncode
-        if code is None:
-            return None
-        if code < 0:
-            return {"exitCode": None, "signal": signal.Signals(-code).name}
-        return {"exitCode": code, "signal": None}
+        return None if code is None else _exit_status(code)
 
-    async def wait(self) -> dict:
-        await self.process.wait()
+    async def wait(self) -> ExitStatus:
+        code = await self.process.wait()
         await self._reader
         self._timer.cancel()
-        return self.exit_status()
+        return _exit_status(code)
 
     def text(self) -> str:
         return bytes(self.output).decode("utf-8", errors="replace")
@@ -124,7 +136,7 @@ class Terminals:
         terminal = self._get(terminal_id)
         return {"output": terminal.text(), "truncated": terminal.truncated, "exitStatus": terminal.exit_status()}
 
-    async def wait(self, terminal_id: str) -> dict:
+    async def wait(self, terminal_id: str) -> ExitStatus:
         return await self._get(terminal_id).wait()
 
     def kill(self, terminal_id: str) -> None:

@@ -4,17 +4,17 @@ call, the network guard for application-chosen endpoints, and safe error sentenc
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
 import re
 from collections import OrderedDict
 
 import httpx
+import httpx2
 import openai
 from openai.types.chat import ChatCompletion
 
-from ...netguard import AddressRefused, GuardedTransport, NonPublicAddress, checked_address
+from ...netguard import AddressRefused, GuardedHttpx2Transport, NonPublicAddress, checked_address
 from ..base import AgentError, TurnContext
 
 logger = logging.getLogger("agents.runtimes.openai")
@@ -102,7 +102,7 @@ def provider_text(exc: BaseException) -> str:
             return message if isinstance(message, str) else json.dumps(body)[:2000]
         try:
             return exc.response.text[:2000]
-        except httpx.StreamError:  # a streamed error body that was not read
+        except httpx2.StreamError:  # a streamed error body that was not read (the SDK's responses are httpx2's)
             return ""
     cause = exc.__cause__ or exc.__context__
     return f"{type(exc).__name__}" + (f" ({type(cause).__name__}: {cause})" if cause else f": {exc}")
@@ -176,11 +176,6 @@ def safe_error(exc: BaseException, timeout: float, *, streaming: bool = False) -
     return "The model client could not be set up; check the agent's options."
 
 
-def sdk_http():
-    """The httpx package the openai SDK builds its clients on (its own fork in recent releases)."""
-    return importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
-
-
 class Clients:
     """The process's model clients, on the loop runtimes run on.
 
@@ -192,7 +187,7 @@ class Clients:
 
     def __init__(self):
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pools: dict[bool, httpx.AsyncClient] = {}
+        self._pools: dict[bool, openai.DefaultAsyncHttpxClient] = {}
         self._clients: OrderedDict[tuple, openai.AsyncOpenAI] = OrderedDict()
 
     def get(
@@ -209,7 +204,7 @@ class Clients:
         pool = self._pools.get(guarded)
         if pool is None:
             pool = (
-                openai.DefaultAsyncHttpxClient(transport=GuardedTransport(http=sdk_http()))
+                openai.DefaultAsyncHttpxClient(transport=GuardedHttpx2Transport())
                 if guarded
                 else openai.DefaultAsyncHttpxClient()
             )

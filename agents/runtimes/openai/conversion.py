@@ -6,6 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from typing import Any
+
+from openai.types.chat import ChatCompletionMessageToolCallParam
 
 from aap.messages import content_images, content_text, image_kind
 
@@ -96,7 +99,7 @@ class ChatBuilder:
 
     def _closing(self) -> list[dict]:
         """What answers the calls still open (placeholders) and carries the tools' images."""
-        closing = [
+        closing: list[dict[str, Any]] = [
             {"role": "tool", "tool_call_id": call_id, "content": "No result was recorded for this call."}
             for call_id in self.open_calls
         ]
@@ -143,9 +146,9 @@ class ChatBuilder:
         elif role == "user":
             self._append({"role": "user", "content": _user_content(content, self.accepted)})
         elif role == "assistant":
-            blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            blocks = content_blocks(message["content"])  # an AAP assistant message always has content
             text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
-            calls = [
+            calls: list[ChatCompletionMessageToolCallParam] = [
                 {
                     "id": _call_id(b["toolCallId"]),
                     "type": "function",
@@ -217,6 +220,11 @@ def _call_id(value: str) -> str:
     return "call_" + hashlib.sha256(value.encode()).hexdigest()[:32]
 
 
+def content_blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A message's content as blocks: a string is one text block."""
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
 def text_of(content) -> str:
     if content is None:
         return ""
@@ -258,8 +266,7 @@ def transcript(messages: list[dict]) -> str:
             images = len(content_images(content)) if isinstance(content, list) else 0
             lines.append(f"User: {text_of(content)}" + (f" [{images} image(s)]" if images else ""))
         elif role == "assistant":
-            blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-            for block in blocks:
+            for block in content_blocks(message["content"]):  # an AAP assistant message always has content
                 if block.get("type") == "text" and block["text"]:
                     lines.append(f"Assistant: {block['text']}")
                 elif block.get("type") == "tool_use":

@@ -16,6 +16,7 @@ import json
 from collections import OrderedDict
 
 import openai
+from openai.types.chat import ChatCompletionMessageToolCallParam
 
 from infra import tracing
 
@@ -418,7 +419,7 @@ class OpenAIRuntime(Runtime):
         ctx = turn.ctx
         valid: list[ToolCall] = []
         problems: dict[str, str] = {}
-        assistant_calls = []
+        assistant_calls: list[ChatCompletionMessageToolCallParam] = []
         for _, partial in sorted(reply.calls.items()):
             # Our own ids: servers' ids may repeat across turns or be missing.
             call_id = new_tool_call_id()
