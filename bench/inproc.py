@@ -211,7 +211,6 @@ def run_statements(turns: int, agent: str, stream: str) -> dict:
     worker's periodic statements (its heartbeat row, the sweep, looks on a timer) are not a
     turn's: this Worker makes none (`beats=False`; woken by each turn, as in the embedded mode)."""
     import httpx
-
     from django.db import transaction
 
     from hosting.asgi import application

@@ -179,7 +179,16 @@ class BenchStack:
             "daphne",
             # As deployed (scripts/run.sh, deploy/entrypoint.sh): Daphne with the access log
             # written through logging, not Daphne's own stdout lines.
-            [str(BIN / "python"), "-m", "infra.webserver", "-b", "127.0.0.1", "-p", str(self.port), "hosting.asgi:application"],
+            [
+                str(BIN / "python"),
+                "-m",
+                "infra.webserver",
+                "-b",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "hosting.asgi:application",
+            ],
         )
         if wait:
             self.wait_web()
