@@ -335,7 +335,10 @@ class Stack:
             capture_output=True,
             text=True,
             input=input,
-            timeout=120,
+            # A bound against a hang, not a timing: applying agents starts their MCP servers in
+            # the sandbox, which under a loaded CI (the fallback pass runs at nice 10) took
+            # over 120 s once.
+            timeout=300,
         )
         if result.returncode != 0:
             raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
