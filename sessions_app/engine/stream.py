@@ -52,6 +52,40 @@ class StreamInterrupted(Exception):
     """The turn's events cannot be followed to its end from here: the response closes."""
 
 
+# How long a stream waits at a time for a database check before it pings instead.
+CHECK_WAIT_SECONDS = 0.5
+PENDING = object()  # a check's answer while PostgreSQL has not given it
+
+
+class _Beside:
+    """A database check run beside a stream, one at a time. The stream waits for its answer
+    at most CHECK_WAIT_SECONDS at a time (PENDING meanwhile) and pings while it waits, so a
+    stalled PostgreSQL delays the check's answer, never the stream's pings."""
+
+    def __init__(self, check):
+        self._check = check
+        self._task: asyncio.Future | None = None
+
+    async def answer(self, *args, patient: bool = True):
+        """The check's result (or what it raised) once it has one; PENDING while it runs. A
+        check just started is waited for; one already pending only when `patient`."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._check(*args))
+            patient = True
+        if not self._task.done():
+            if patient:
+                await asyncio.wait({self._task}, timeout=CHECK_WAIT_SECONDS)
+            if not self._task.done():
+                return PENDING
+        task, self._task = self._task, None
+        return task.result()
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+
 async def _follow(turn_id: str, after: int, token_id: int | None = None):
     """Events of the turn, with QUIET markers at most every LIVENESS_CHECK_SECONDS; ends
     with REVOKED once the stream's token is no longer valid (checked as often). Across
@@ -60,36 +94,43 @@ async def _follow(turn_id: str, after: int, token_id: int | None = None):
     checked = time.monotonic()
     failing_since: float | None = None
     ended_quietly = 0  # quiet checks that found the turn over with no turn_stop in sight
-    while True:
-        try:
-            async for item in events.follow(turn_id, after, quiet_seconds=quiet):
-                failing_since = None
-                if token_id is not None and time.monotonic() - checked >= LIVENESS_CHECK_SECONDS:
-                    checked = time.monotonic()
-                    if not await _token_active(token_id):
-                        yield REVOKED
-                        return
-                if item is events.QUIET:
-                    if await _recover(turn_id):
-                        ended_quietly += 1
-                        if ended_quietly > 2:  # its stream has no end any more (wiped, expired)
-                            yield ENDED
-                            return
-                else:
-                    after = item[0]
-                yield item
-            return
-        except StreamInterrupted:
-            raise
-        except OUTAGE_ERRORS as exc:  # Redis or PostgreSQL unreachable: retry, pinging meanwhile
-            now = time.monotonic()
-            if failing_since is None:
-                failing_since = now
-                logger.warning("following turn %s failed; retrying", turn_id, exc_info=True)
-            if now - failing_since > settings.AAP_STREAM_RETRY_SECONDS:
-                raise StreamInterrupted(type(exc).__name__) from None
-            yield events.QUIET
-            await asyncio.sleep(min(1.0, quiet))
+    recovered, active = _Beside(_recover), _Beside(_token_active)
+    try:
+        while True:
+            try:
+                async for item in events.follow(turn_id, after, quiet_seconds=quiet):
+                    failing_since = None
+                    if token_id is not None and time.monotonic() - checked >= LIVENESS_CHECK_SECONDS:
+                        valid = await active.answer(token_id, patient=item is events.QUIET)
+                        if valid is not PENDING:
+                            checked = time.monotonic()
+                            if not valid:
+                                yield REVOKED
+                                return
+                    if item is events.QUIET:
+                        if await recovered.answer(turn_id) is True:
+                            ended_quietly += 1
+                            if ended_quietly > 2:  # its stream has no end any more (wiped, expired)
+                                yield ENDED
+                                return
+                    else:
+                        after = item[0]
+                    yield item
+                return
+            except StreamInterrupted:
+                raise
+            except OUTAGE_ERRORS as exc:  # Redis or PostgreSQL unreachable: retry, pinging meanwhile
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                    logger.warning("following turn %s failed; retrying", turn_id, exc_info=True)
+                if now - failing_since > settings.AAP_STREAM_RETRY_SECONDS:
+                    raise StreamInterrupted(type(exc).__name__) from None
+                yield events.QUIET
+                await asyncio.sleep(min(1.0, quiet))
+    finally:
+        recovered.cancel()
+        active.cancel()
 
 
 async def _still_queued(turn_id: str) -> dict | None:
@@ -111,9 +152,13 @@ async def _rest_from_history(turn_id: str, cursor: store.FoldCursor | None, mode
     when history does not have the shape the reader was shown, the response closes."""
     if cursor is None:
         raise StreamInterrupted("the turn's stream lost events this reader had not read")
-    while not await _recover(turn_id):  # it may be lost meanwhile: then it ends `error`
-        yield SSE_PING
-        await asyncio.sleep(LIVENESS_CHECK_SECONDS)
+    recovered = _Beside(_recover)
+    try:
+        while await recovered.answer(turn_id) is not True:  # it may be lost meanwhile: then it ends `error`
+            yield SSE_PING
+            await asyncio.sleep(LIVENESS_CHECK_SECONDS)
+    finally:
+        recovered.cancel()
     ending = await _rebuilt_ending(turn_id, cursor, mode)
     if ending is None:
         raise StreamInterrupted("the turn ended but its stream cannot be completed from history")
@@ -128,40 +173,45 @@ async def sse_stream(turn_id: str, after: int = 0, token_id: int | None = None, 
     # Where the events sent leave the reader, while they are every event from the first: if
     # the rest is lost with Redis, it is rebuilt from history (store.rebuilt_ending).
     cursor: store.FoldCursor | None = store.FoldCursor() if after <= 1 else None
-    async for item in _follow(turn_id, after, token_id):
-        if item is REVOKED:
-            yield f": {REVOKED_SENTENCE}\n\n".encode()
-            return
-        if item is ENDED:
-            async for frame in _rest_from_history(turn_id, cursor, mode, after):
-                yield frame
-            return
-        now = time.monotonic()
-        if item is events.QUIET:
-            if waiting:
-                place = await _still_queued(turn_id)
-                if place:
+    queued = _Beside(_still_queued)
+    try:
+        async for item in _follow(turn_id, after, token_id):
+            if item is REVOKED:
+                yield f": {REVOKED_SENTENCE}\n\n".encode()
+                return
+            if item is ENDED:
+                async for frame in _rest_from_history(turn_id, cursor, mode, after):
+                    yield frame
+                return
+            now = time.monotonic()
+            if item is events.QUIET:
+                if waiting:
+                    place = await queued.answer(turn_id)
+                    if place is not PENDING:
+                        if place:
+                            last_write = now
+                            yield queued_comment(place)
+                            continue
+                        waiting = False
+                if now - last_write >= settings.AAP_SSE_PING_SECONDS - 0.5:
                     last_write = now
-                    yield queued_comment(place)
-                    continue
-                waiting = False
-            if now - last_write >= settings.AAP_SSE_PING_SECONDS - 0.5:
-                last_write = now
-                yield SSE_PING
-            continue
-        last_write = now
-        seq, event = item
-        waiting = waiting and seq <= 1
-        if cursor is not None and seq != after + 1:
-            # A hole (a batch Redis refused, or lost in a restart): the events after it would
-            # fold into a wrong answer. The rest comes from history once the turn has ended.
-            async for frame in _rest_from_history(turn_id, cursor, mode, after):
-                yield frame
-            return
-        if cursor is not None:
-            cursor.feed(event)
-        after = seq
-        yield sse_frame(seq, event)
+                    yield SSE_PING
+                continue
+            last_write = now
+            seq, event = item
+            waiting = waiting and seq <= 1
+            if cursor is not None and seq != after + 1:
+                # A hole (a batch Redis refused, or lost in a restart): the events after it would
+                # fold into a wrong answer. The rest comes from history once the turn has ended.
+                async for frame in _rest_from_history(turn_id, cursor, mode, after):
+                    yield frame
+                return
+            if cursor is not None:
+                cursor.feed(event)
+            after = seq
+            yield sse_frame(seq, event)
+    finally:
+        queued.cancel()
 
 
 async def _stored_result_or_none(turn_id: str) -> dict | None:

@@ -16,7 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 import pytest
 
-from .faults import final_stop, folded, history, new_sessions, next_turn_works, no_server_errors, post_turn, ticks, user
+from .faults import (
+    SILENCE_SECONDS,
+    final_stop,
+    folded,
+    history,
+    new_sessions,
+    next_turn_works,
+    no_server_errors,
+    post_turn,
+    ticks,
+    user,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,8 +45,10 @@ def _told_equals_history(chaos, session: str, outcome, text: str, ticks_count: i
 
 
 def test_a_postgres_stall_longer_than_the_lease_declares_no_turn_lost(chaos):
-    """12 turns in the three stream modes; 1 s in, PostgreSQL stops for 4 leases. The turns
-    finish during the stall, their workers wait to store them: every client is told
+    """12 turns in the three stream modes; 1 s in, PostgreSQL stops for 4 leases and longer
+    than a client waits in silence. The turns finish during the stall, their workers wait to
+    store them; those still queued wait for it. Every stream keeps pinging meanwhile (its
+    checks of PostgreSQL hang, its pings do not wait for them), and every client is told
     `end_turn` with the whole answer, which is what history holds."""
     chaos.ensure_up()
     sessions = new_sessions(chaos, 12)
@@ -45,7 +58,7 @@ def test_a_postgres_stall_longer_than_the_lease_declares_no_turn_lost(chaos):
         time.sleep(1.0)
         frozen = chaos.pg.freeze()
         try:
-            time.sleep(4 * 3 + 2)  # the chaos stack's lease is 3 s
+            time.sleep(max(4 * 3, SILENCE_SECONDS) + 3)  # the chaos stack's lease is 3 s
         finally:
             chaos.pg.thaw(frozen)
         outcomes = [f.result(timeout=120) for f in turns]
