@@ -131,6 +131,56 @@ def test_a_kernel_without_landlock_makes_the_agent_refuse_to_start_naming_what_i
         sandbox.mode.cache_clear()
 
 
+def test_a_trial_run_that_times_out_refuses_the_start_and_never_settles_on_the_fallback(
+    monkeypatch, tmp_path, settings
+):
+    """A busy host makes the namespaces trial slow, not impossible: the `auto` mode must not
+    drop to the fallback for the rest of the process because of it. The start is refused with
+    a sentence, and the next one tries again."""
+    real_run = subprocess.run
+    calls = []
+
+    def slow_trial(argv, *args, **kwargs):
+        if "--probe" in argv:
+            calls.append(argv)
+            raise subprocess.TimeoutExpired(argv, kwargs.get("timeout"))
+        return real_run(argv, *args, **kwargs)
+
+    monkeypatch.setattr(sandbox.subprocess, "run", slow_trial)
+    monkeypatch.setattr(sandbox, "_bwrap", lambda: "/usr/bin/bwrap")
+    settings.AAP_SANDBOX_MODE = "auto"
+    sandbox.namespaces_missing.cache_clear()
+    sandbox.mode.cache_clear()
+    try:
+        spec = ProcessSpec(
+            key="k",
+            label="busy",
+            argv=("python", "-c", "print(1)"),
+            env={},
+            home=tmp_path,
+            sandbox=sandbox.SandboxSpec(
+                unit="test:busy", writable=(tmp_path,), read_paths=(), egress=(), limits=limits.Limits.parse(None)
+            ),
+        )
+        process = AgentProcess(spec)
+        with pytest.raises(AgentError) as refused:
+            asyncio.run(process.start())
+        assert str(refused.value) == (
+            "The agent cannot start yet: the sandbox's trial run did not finish within 30 seconds (the host is "
+            "busy). The next start tries again."
+        )
+        assert process.process is None  # nothing was started, in no mode
+        with pytest.raises(sandbox.SandboxError):
+            sandbox.mode()
+        assert len(calls) == 2  # not cached: each start tries again
+        monkeypatch.setattr(sandbox.subprocess, "run", real_run)
+        # Once a trial finishes, its verdict is the mode (namespaces on a host that has them).
+        assert sandbox.mode() == ("fallback" if sandbox.namespaces_missing() else "namespaces")
+    finally:
+        sandbox.namespaces_missing.cache_clear()
+        sandbox.mode.cache_clear()
+
+
 def test_the_egress_proxy_lets_through_only_the_allowed_destinations():
     async def scenario():
         async def upstream(reader, writer):

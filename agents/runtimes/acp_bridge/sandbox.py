@@ -124,10 +124,17 @@ def _bwrap() -> str | None:
     return shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin")
 
 
+TRIAL_SECONDS = 30
+
+
 @functools.cache
 def namespaces_missing() -> tuple[str, ...]:
     """What this host lacks for the namespaces mode, as phrases (empty when it has it all):
-    bubblewrap, and user namespaces for the user agents run as (tried once, for real)."""
+    bubblewrap, and user namespaces for the user agents run as (tried once, for real).
+
+    A trial run that does not finish in time proves nothing about the host (a busy one is
+    slow): it raises SandboxError, which is not cached, so the next start tries again, and the
+    `auto` mode never settles on the fallback because the host was busy."""
     bwrap = _bwrap()
     if bwrap is None:
         return ("bubblewrap (the bubblewrap package)",)
@@ -146,10 +153,18 @@ def namespaces_missing() -> tuple[str, ...]:
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=TRIAL_SECONDS,
             check=False,
         )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except subprocess.TimeoutExpired:
+        logger.warning(
+            "sandbox: the trial run of user namespaces did not finish in %ds; the next start tries again", TRIAL_SECONDS
+        )
+        raise SandboxError(
+            f"The agent cannot start yet: the sandbox's trial run did not finish within {TRIAL_SECONDS} seconds "
+            "(the host is busy). The next start tries again."
+        ) from None
+    except OSError as exc:
         return (f"user namespaces (the trial run failed: {type(exc).__name__})",)
     if done.returncode != 0:
         said = (done.stderr.strip().splitlines() or ["no message"])[-1][:200]
