@@ -16,7 +16,6 @@ import ipaddress
 import socket
 from typing import Any
 
-import httpx
 import httpx2
 
 # IPv6 ranges whose addresses carry an IPv4 address a gateway may forward to: NAT64
@@ -99,39 +98,13 @@ async def _pinned(scheme: str, host: str, port: int | None, *, allow_private: bo
     return (scheme, host, port), address
 
 
-class GuardedTransport(httpx.AsyncBaseTransport):
-    """An httpx transport that checks and pins every request's destination (see the module).
+class GuardedTransport(httpx2.AsyncBaseTransport):
+    """An httpx2 transport (httpx2: the httpx fork the openai and MCP SDKs build on) that checks
+    and pins every request's destination (see the module).
 
     Each host name gets its own connection pool, so a TLS connection made for one name never
     carries a request for another name that resolves to the same address.
     """
-
-    def __init__(self, *, allow_private: bool = False, **transport_options: Any):
-        self.allow_private = allow_private
-        self._options = {"trust_env": False, **transport_options}
-        self._pools: dict[tuple[str, str, int], httpx.AsyncHTTPTransport] = {}
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        url = request.url
-        key, address = await _pinned(url.scheme, url.host, url.port, allow_private=self.allow_private)
-        pool = self._pools.get(key)
-        if pool is None:
-            pool = self._pools[key] = httpx.AsyncHTTPTransport(**self._options)
-        # The Host header was set from the name when the request was built; only the socket moves.
-        request.url = url.copy_with(host=address)
-        if url.scheme == "https":
-            request.extensions = {**request.extensions, "sni_hostname": url.host}
-        return await pool.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        pools, self._pools = list(self._pools.values()), {}
-        for pool in pools:
-            await pool.aclose()
-
-
-class GuardedHttpx2Transport(httpx2.AsyncBaseTransport):
-    """GuardedTransport for clients of httpx2, the httpx fork the openai and MCP SDKs build on:
-    the pools must take that package's requests."""
 
     def __init__(self, *, allow_private: bool = False, **transport_options: Any):
         self.allow_private = allow_private
@@ -144,6 +117,7 @@ class GuardedHttpx2Transport(httpx2.AsyncBaseTransport):
         pool = self._pools.get(key)
         if pool is None:
             pool = self._pools[key] = httpx2.AsyncHTTPTransport(**self._options)
+        # The Host header was set from the name when the request was built; only the socket moves.
         request.url = url.copy_with(host=address)
         if url.scheme == "https":
             request.extensions = {**request.extensions, "sni_hostname": url.host}

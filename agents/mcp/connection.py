@@ -32,7 +32,7 @@ from mcp_types import CONNECTION_CLOSED
 
 from infra import logs
 
-from ..netguard import AddressRefused, GuardedHttpx2Transport, checked_address
+from ..netguard import AddressRefused, GuardedTransport, checked_address
 from ..runtimes.acp_bridge import limits, sandbox
 from ..runtimes.acp_bridge.process import MAX_MESSAGE_BYTES, AgentProcess, ProcessSpec
 from ..runtimes.mcp_config import Server
@@ -149,7 +149,7 @@ async def _http(server: Server, headers: dict[str, str]) -> AsyncIterator[tuple]
     # Checked before anything is sent; the transport checks and pins every request again.
     await checked_address(url.hostname or "", port, allow_private=allow_private)
     client = httpx2.AsyncClient(
-        transport=GuardedHttpx2Transport(allow_private=allow_private),
+        transport=GuardedTransport(allow_private=allow_private),
         headers=headers,
         timeout=httpx2.Timeout(server.timeout, read=max(server.timeout, 300.0)),
         trust_env=False,

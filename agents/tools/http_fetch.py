@@ -19,7 +19,7 @@ import re
 import zlib
 from html.parser import HTMLParser
 
-import httpx
+import httpx2
 
 from ..netguard import AddressRefused, GuardedTransport, NonPublicAddress
 from . import HostTool, ToolInputError, register
@@ -116,7 +116,7 @@ def _settings(settings: dict) -> dict:
 ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
-async def _read_body(response: httpx.Response, limit: int) -> tuple[bytes, bool]:
+async def _read_body(response: httpx2.Response, limit: int) -> tuple[bytes, bool]:
     """At most `limit` bytes of the decoded body (and whether it was cut), never inflating more."""
     codings = [c.strip().lower() for c in response.headers.get("content-encoding", "").split(",") if c.strip()]
     codings = [c for c in codings if c != "identity"]
@@ -141,11 +141,11 @@ async def _read_body(response: httpx.Response, limit: int) -> tuple[bytes, bool]
 
 async def _fetch(url: str, opts: dict) -> str:
     transport = GuardedTransport(allow_private=bool(opts["allowPrivateAddresses"]))
-    async with httpx.AsyncClient(
+    async with httpx2.AsyncClient(
         transport=transport, trust_env=False, follow_redirects=False, timeout=opts["timeoutSeconds"]
     ) as client:
         for _ in range(int(opts["maxRedirects"]) + 1):
-            target = httpx.URL(url)
+            target = httpx2.URL(url)
             if target.scheme not in ("http", "https") or not target.host:
                 raise ToolInputError("Only http:// and https:// URLs with a host can be fetched.")
             headers = {"Accept": "text/*, */*;q=0.5", "Accept-Encoding": ", ".join(("gzip", "deflate"))}
@@ -158,7 +158,7 @@ async def _fetch(url: str, opts: dict) -> str:
     raise ToolInputError(f"Fetching {url} redirected more than {opts['maxRedirects']} times.")
 
 
-def _render(url: str, response: httpx.Response, body: bytes, cut: bool, opts: dict) -> str:
+def _render(url: str, response: httpx2.Response, body: bytes, cut: bool, opts: dict) -> str:
     content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
     head = f"HTTP {response.status_code} {response.reason_phrase} from {url} ({content_type or 'no content type'})"
     if content_type and not TEXT_TYPES.match(content_type):
@@ -179,8 +179,8 @@ async def _http_fetch(arguments: dict, settings: dict) -> str:
         raise ToolInputError("'url' must be an http:// or https:// URL.")
     url = url.strip()
     try:
-        httpx.URL(url)
-    except httpx.InvalidURL:
+        httpx2.URL(url)
+    except httpx2.InvalidURL:
         raise ToolInputError("'url' is not a valid URL.") from None
     opts = _settings(settings)
     try:
@@ -193,9 +193,9 @@ async def _http_fetch(arguments: dict, settings: dict) -> str:
         ) from None
     except AddressRefused as exc:
         raise ToolInputError(str(exc)) from None
-    except (TimeoutError, httpx.TimeoutException):
+    except (TimeoutError, httpx2.TimeoutException):
         raise ToolInputError(f"Fetching {url} took longer than {opts['timeoutSeconds']:g} seconds.") from None
-    except httpx.HTTPError as exc:
+    except httpx2.HTTPError as exc:
         raise ToolInputError(f"Fetching {url} failed ({type(exc).__name__}).") from None
 
 

@@ -177,11 +177,11 @@ def test_the_guarded_transport_carries_the_sdks_own_requests(model):
     import httpx2
     import openai
 
-    from agents.netguard import GuardedHttpx2Transport
+    from agents.netguard import GuardedTransport
 
     async def go():
         # allow_private: the fake model is on loopback; the pools are the same as for a public address
-        http = openai.DefaultAsyncHttpxClient(transport=GuardedHttpx2Transport(allow_private=True))
+        http = openai.DefaultAsyncHttpxClient(transport=GuardedTransport(allow_private=True))
         assert isinstance(http, httpx2.AsyncClient)
         client = openai.AsyncOpenAI(api_key="k", base_url=model.url, http_client=http, max_retries=0)
         models = await client.models.list()

@@ -14,7 +14,7 @@ import httpx2
 import openai
 from openai.types.chat import ChatCompletion
 
-from ...netguard import AddressRefused, GuardedHttpx2Transport, NonPublicAddress, checked_address
+from ...netguard import AddressRefused, GuardedTransport, NonPublicAddress, checked_address
 from ..base import AgentError, TurnContext
 
 logger = logging.getLogger("agents.runtimes.openai")
@@ -204,7 +204,7 @@ class Clients:
         pool = self._pools.get(guarded)
         if pool is None:
             pool = (
-                openai.DefaultAsyncHttpxClient(transport=GuardedHttpx2Transport())
+                openai.DefaultAsyncHttpxClient(transport=GuardedTransport())
                 if guarded
                 else openai.DefaultAsyncHttpxClient()
             )
