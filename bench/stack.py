@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from tests.support import free_port, wait_for_health, worker_argv
+from tests.support import free_port, wait_for_health, web_argv, worker_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -177,18 +177,8 @@ class BenchStack:
     def start_web(self, wait: bool = True) -> None:
         self.web = self._spawn(
             "daphne",
-            # As deployed (scripts/run.sh, deploy/entrypoint.sh): Daphne with the access log
-            # written through logging, not Daphne's own stdout lines.
-            [
-                str(BIN / "python"),
-                "-m",
-                "infra.webserver",
-                "-b",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "hosting.asgi:application",
-            ],
+            # As deployed: Daphne with the access log written through logging.
+            web_argv(self.port),
         )
         if wait:
             self.wait_web()

@@ -85,6 +85,21 @@ def llm_agent(
     }
 
 
+def web_argv(port: int) -> list[str]:
+    """The web process as every deployment starts it (scripts/run.sh, deploy/entrypoint.sh):
+    Daphne with its access log written through logging (infra/webserver.py)."""
+    return [
+        str(BIN / "python"),
+        "-m",
+        "infra.webserver",
+        "-b",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "hosting.asgi:application",
+    ]
+
+
 def worker_argv(node: str, threads: int) -> list[str]:
     """A Celery worker of the turn queue on a pool of `threads` threads, named `node`@host."""
     return [
@@ -361,9 +376,7 @@ class Stack:
         )
 
     def start_web(self) -> None:
-        self.web = self._spawn(
-            "daphne", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "hosting.asgi:application"]
-        )
+        self.web = self._spawn("daphne", web_argv(self.port))
         self.wait_healthy()
 
     def start_worker(self) -> None:

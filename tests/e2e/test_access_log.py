@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import pytest
 
-from tests.support import BIN, ROOT, free_port, wait_for_health
+from tests.support import ROOT, free_port, wait_for_health, web_argv
 
 pytestmark = pytest.mark.e2e
 
@@ -36,16 +36,7 @@ def web(django_db_setup, django_db_blocker, tmp_path):
     log = tmp_path / "web.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [
-                str(BIN / "python"),
-                "-m",
-                "infra.webserver",
-                "-b",
-                "127.0.0.1",
-                "-p",
-                str(port),
-                "hosting.asgi:application",
-            ],
+            web_argv(port),
             env=env,
             cwd=ROOT,
             stdout=out,

@@ -288,6 +288,7 @@ def server_pid(model, client, sid: str, tool: str) -> int:
     """The host's pid of the server behind `tool` (a probe's `sh`)."""
     command = 'echo "pid=$PPID ns=$(readlink /proc/$PPID/ns/pid)"'
     (content,) = results(call(model, client, sid, tool, {"command": command}))
+    assert content.startswith("exit=0\n"), content  # otherwise: why the server could not serve
     return host_pid(content.partition("\n")[2])
 
 
