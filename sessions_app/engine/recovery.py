@@ -22,9 +22,12 @@ logger = logging.getLogger(__name__)
 
 
 def _is_lost(turn: Turn) -> bool:
-    """A running turn whose PostgreSQL heartbeat is stale and whose Redis lease has lapsed.
-    Queued turns are never lost: they wait for a worker, however long the queue."""
-    if turn.status != Turn.RUNNING:
+    """A running turn of this deployment's queue whose PostgreSQL heartbeat is stale and whose
+    Redis lease has lapsed. Queued turns are never lost: they wait for a worker, however long
+    the queue. A turn of another queue (AAP_TURN_QUEUE: a deployment sharing the database, not
+    Redis) is never lost here: its lease and its events are in that deployment's Redis, and
+    ending it from this one would store and tell an answer without them."""
+    if turn.status != Turn.RUNNING or turn.queue != settings.AAP_TURN_QUEUE:
         return False
     beat = turn.heartbeat_at or turn.started_at
     if beat is not None and (timezone.now() - beat).total_seconds() < settings.AAP_TURN_LEASE_SECONDS:
@@ -98,7 +101,7 @@ def finalize_if_lost(turn: Turn, session: Session) -> bool:
     return True
 
 
-_LIVENESS_FIELDS = ("status", "created_at", "session_id", "heartbeat_at", "started_at")
+_LIVENESS_FIELDS = ("status", "created_at", "session_id", "heartbeat_at", "started_at", "queue")
 
 
 def turn_recover_if_lost(turn_id: str) -> bool:
@@ -132,12 +135,13 @@ def forget_expired_idempotency_keys() -> int:
 
 
 def sweep_stale_turns() -> int:
-    """End every lost turn, forget expired Idempotency-Keys (run periodically); returns how
-    many turns were ended. It reads PostgreSQL only: a Redis that is down or full (nothing
+    """End every lost turn of this deployment's queue, forget expired Idempotency-Keys (run
+    periodically); returns how many turns were ended. It reads PostgreSQL only: a Redis that is down or full (nothing
     can be published) does not keep the lost turns from being ended."""
     forget_expired_idempotency_keys()
     ended = 0
-    for turn_id in Turn.objects.filter(status=Turn.RUNNING).values_list("id", flat=True):
+    running = Turn.objects.filter(status=Turn.RUNNING, queue=settings.AAP_TURN_QUEUE)
+    for turn_id in running.values_list("id", flat=True):
         turn = Turn.objects.filter(id=turn_id).only(*_LIVENESS_FIELDS).first()
         if turn is None or not _is_lost(turn):
             continue
