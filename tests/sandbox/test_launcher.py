@@ -96,6 +96,24 @@ def test_without_a_uid_of_its_own_the_agent_still_cannot_read_or_signal_the_serv
     assert not re.search(r"\b[0-9a-f]{6,}-[0-9a-f]{6,}\b", output)  # no line of its memory map
 
 
+def refused_start(home: Path, unit: str) -> tuple[AgentProcess, str]:
+    """Start a sandboxed process that must be refused: the process and the sentence."""
+    spec = ProcessSpec(
+        key="k",
+        label=unit,
+        argv=("python", "-c", "print(1)"),
+        env={},
+        home=home,
+        sandbox=sandbox.SandboxSpec(
+            unit=unit, writable=(home,), read_paths=(), egress=(), limits=limits.Limits.parse(None)
+        ),
+    )
+    process = AgentProcess(spec)
+    with pytest.raises(AgentError) as refused:
+        asyncio.run(process.start())
+    return process, str(refused.value)
+
+
 def test_a_kernel_without_landlock_makes_the_agent_refuse_to_start_naming_what_is_missing(
     monkeypatch, tmp_path, settings
 ):
@@ -108,20 +126,8 @@ def test_a_kernel_without_landlock_makes_the_agent_refuse_to_start_naming_what_i
     try:
         gaps = sandbox.missing()
         assert gaps == ("Landlock ABI 6 (Linux 6.12 or later; this kernel offers ABI 3)",)
-        spec = ProcessSpec(
-            key="k",
-            label="refusing",
-            argv=("python", "-c", "print(1)"),
-            env={},
-            home=tmp_path,
-            sandbox=sandbox.SandboxSpec(
-                unit="test:refusal", writable=(tmp_path,), read_paths=(), egress=(), limits=limits.Limits.parse(None)
-            ),
-        )
-        process = AgentProcess(spec)
-        with pytest.raises(AgentError) as refused:
-            asyncio.run(process.start())
-        assert str(refused.value) == (
+        process, refused = refused_start(tmp_path, "test:refusal")
+        assert refused == (
             "The agent cannot start: its sandbox needs Landlock ABI 6 (Linux 6.12 or later; this kernel offers "
             "ABI 3). An operator can run it unconfined only by setting unsafeWithoutSandbox for this agent."
         )
@@ -152,20 +158,8 @@ def test_a_trial_run_that_times_out_refuses_the_start_and_never_settles_on_the_f
     sandbox.namespaces_missing.cache_clear()
     sandbox.mode.cache_clear()
     try:
-        spec = ProcessSpec(
-            key="k",
-            label="busy",
-            argv=("python", "-c", "print(1)"),
-            env={},
-            home=tmp_path,
-            sandbox=sandbox.SandboxSpec(
-                unit="test:busy", writable=(tmp_path,), read_paths=(), egress=(), limits=limits.Limits.parse(None)
-            ),
-        )
-        process = AgentProcess(spec)
-        with pytest.raises(AgentError) as refused:
-            asyncio.run(process.start())
-        assert str(refused.value) == (
+        process, refused = refused_start(tmp_path, "test:busy")
+        assert refused == (
             "The agent cannot start yet: the sandbox's trial run did not finish within 30 seconds (the host is "
             "busy). The next start tries again."
         )
