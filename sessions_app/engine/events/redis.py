@@ -12,12 +12,16 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 
 from infra.redis_connections import RedisConnections
 
 from .base import Entries, StreamEnded, Watcher
+
+if TYPE_CHECKING:
+    from redis.typing import StreamEntry
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +151,9 @@ class _NotifyHub:
 
     async def _ensure_reader(self) -> None:
         # Set before any await: two followers arriving together must not start two readers
-        # (two coroutines reading one connection break each other's reads).
-        if self.reader is None or self.reader.done():
+        # (two coroutines reading one connection break each other's reads). `ready` is set
+        # with the reader.
+        if self.reader is None or self.reader.done() or self.ready is None:
             loop = asyncio.get_running_loop()
             self.ready = loop.create_future()
             self.reader = loop.create_task(self._read(self.ready))
@@ -171,8 +176,8 @@ class _NotifyHub:
                 raise
             except Exception:  # the listener's boundary: redis-py reconnects and resubscribes on the next call
                 logger.warning("event notifications lost Redis; reconnecting", exc_info=True)
-                for waiters in self.wakers.values():
-                    for wake in waiters:
+                for followers in self.wakers.values():
+                    for wake in followers:
                         wake.wake.set()  # followers re-read the stream: nothing is lost meanwhile
                 await asyncio.sleep(0.5)
                 continue
@@ -236,6 +241,15 @@ class _PublishBatcher:
                     done.set_result(None)
 
 
+def _stored(entry: StreamEntry) -> tuple[int, dict]:
+    """A stream entry read by the blocking client as (seq, event). That client decodes
+    responses (infra/redis_connections.py), and an XRANGE entry always has its fields."""
+    entry_id, fields = entry
+    if not isinstance(entry_id, str) or fields is None:
+        raise TypeError(f"unexpected stream entry {entry!r}: the client must decode responses")
+    return int(entry_id.split("-")[1]), json.loads(fields["e"])
+
+
 class RedisEvents:
     def __init__(self, connections: RedisConnections):
         self.connections = connections
@@ -277,8 +291,7 @@ class RedisEvents:
         return hub.watch(notify_channel(turn_id))
 
     def read_all_sync(self, turn_id: str) -> list[tuple[int, dict]]:
-        entries = self.sync.xrange(stream_key(turn_id))
-        return [(int(entry_id.split("-")[1]), json.loads(fields["e"])) for entry_id, fields in entries]
+        return [_stored(entry) for entry in self.sync.xrange(stream_key(turn_id)) or ()]
 
     async def last(self, turn_id: str) -> tuple[int, dict] | None:
         entries = await self.aclient().xrevrange(stream_key(turn_id), count=1)
@@ -286,7 +299,7 @@ class RedisEvents:
 
     def last_sync(self, turn_id: str) -> tuple[int, dict] | None:
         entries = self.sync.xrevrange(stream_key(turn_id), count=1)
-        return (int(entries[0][0].split("-")[1]), json.loads(entries[0][1]["e"])) if entries else None
+        return _stored(entries[0]) if entries else None
 
     # liveness
     def set_lease_sync(self, turn_id: str) -> None:
