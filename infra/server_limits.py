@@ -166,6 +166,13 @@ def _flow_controlled_send(original):
     return handle_reply
 
 
+def _patch(cls: type, **attributes: object) -> None:
+    """Set attributes of a framework class, its methods among them (setattr: a type checker
+    refuses an assignment to a method)."""
+    for name, value in attributes.items():
+        setattr(cls, name, value)
+
+
 def install() -> None:
     """Patch Twisted's HTTP channel and Daphne's request (idempotent): the server layer's limits."""
     from daphne.http_protocol import WebRequest
@@ -174,7 +181,7 @@ def install() -> None:
 
     if getattr(HTTPChannel, "_aap_limits", False):
         return
-    HTTPChannel._aap_limits = True
+    _patch(HTTPChannel, _aap_limits=True)
 
     data_received = HTTPChannel.dataReceived
     all_headers_received = HTTPChannel.allHeadersReceived
@@ -219,12 +226,15 @@ def install() -> None:
     def lineLengthExceeded(self, line):
         refuse(self, 400, "The request line or a header is longer than the server accepts.")
 
-    HTTPChannel.lineLengthExceeded = lineLengthExceeded
-    HTTPChannel.dataReceived = dataReceived
-    HTTPChannel.allHeadersReceived = allHeadersReceived
-    HTTPChannel.allContentReceived = allContentReceived
-    HTTPChannel.connectionLost = connectionLost
-    HTTPChannel._respondToBadRequestAndDisconnect = _respondToBadRequestAndDisconnect
+    _patch(
+        HTTPChannel,
+        lineLengthExceeded=lineLengthExceeded,
+        dataReceived=dataReceived,
+        allHeadersReceived=allHeadersReceived,
+        allContentReceived=allContentReceived,
+        connectionLost=connectionLost,
+        _respondToBadRequestAndDisconnect=_respondToBadRequestAndDisconnect,
+    )
 
     handle_content_chunk = WebRequest.handleContentChunk
 
@@ -242,7 +252,10 @@ def install() -> None:
         sentence = f"{body}." if status < 500 else "The server could not handle this request; try again."
         self.handle_reply({"type": "http.response.body", "body": json.dumps({"error": sentence}).encode()})
 
-    WebRequest.handleContentChunk = handleContentChunk
-    WebRequest.basic_error = basic_error
-    WebRequest.handle_reply = _flow_controlled_request(WebRequest.handle_reply)
-    Server.handle_reply = _flow_controlled_send(Server.handle_reply)
+    _patch(
+        WebRequest,
+        handleContentChunk=handleContentChunk,
+        basic_error=basic_error,
+        handle_reply=_flow_controlled_request(WebRequest.handle_reply),
+    )
+    _patch(Server, handle_reply=_flow_controlled_send(Server.handle_reply))
