@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.conf import settings
@@ -23,6 +25,7 @@ from django.core import signals
 from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.db import connections
+from django.http import HttpRequest, HttpResponseBase
 from django.middleware.clickjacking import XFrameOptionsMiddleware
 from django.middleware.security import SecurityMiddleware
 from django.urls import set_script_prefix
@@ -53,10 +56,17 @@ def on_web_threads(function):
     return sync_to_async(run, thread_sensitive=False, executor=web_executor())
 
 
+class _AsyncChained(Protocol):
+    """A middleware (Django's MiddlewareMixin) in an async chain: what follows it is async."""
+
+    @property
+    def get_response(self) -> Callable[[HttpRequest], Awaitable[HttpResponseBase]]: ...
+
+
 class InlineHooksMixin:
     """For middleware whose hooks do no I/O: run them on the event loop, not via a thread."""
 
-    async def __acall__(self, request):
+    async def __acall__(self: _AsyncChained, request):
         response = self.process_request(request) if hasattr(self, "process_request") else None
         response = response or await self.get_response(request)
         if hasattr(self, "process_response"):
@@ -110,7 +120,7 @@ class ApiHandler(ASGIHandler):
         set_script_prefix(get_script_prefix(scope))
         signals.request_started.send(sender=self.__class__, scope=scope)
         request, error_response = self.create_request(scope, body_file)
-        if request is None:
+        if error_response is not None:  # create_request gives a request or an error response
             body_file.close()
             await self.send_response(error_response, send)
             error_response.close()
