@@ -18,3 +18,7 @@ class HybridMiddleware:
         self.is_async = iscoroutinefunction(get_response)
         if self.is_async:
             markcoroutinefunction(self)
+
+    def __call__(self, request):
+        """The request in a sync chain; in an async chain, return `self._acall(request)`."""
+        raise NotImplementedError
