@@ -22,7 +22,7 @@ from sessions_app.api.v2.stream import V2TurnShaper  # noqa: E402
 from sessions_app.engine.stream import TurnStreamHandoff  # noqa: E402  (needs Django set up)
 
 application = ProtocolTypeRouter(
-    {"http": V2TurnShaper(TurnStreamHandoff(ASGIStaticFilesHandler(PathRouter(ApiHandler(), django_asgi))))}
+    {"http": V2TurnShaper(TurnStreamHandoff(PathRouter(ApiHandler(), ASGIStaticFilesHandler(django_asgi))))}
 )
 
 
