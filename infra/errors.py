@@ -152,7 +152,8 @@ def exception_handler(exc, context):
     if isinstance(exc, exceptions.NotFound):
         return Response(error_body(str(exc.detail)), status=404)
     if isinstance(exc, exceptions.Throttled):
-        return Response(error_body(f"Too many requests; retry in {exc.wait} seconds."), status=429)
+        wait = getattr(exc, "wait", None)  # set by Throttled() (DRF's stubs do not declare it)
+        return Response(error_body(f"Too many requests; retry in {wait} seconds."), status=429)
     if isinstance(exc, exceptions.APIException):
         return Response(error_body(str(exc.detail)), status=exc.status_code)
 
