@@ -27,15 +27,19 @@ def retry_policy(*, asyncio_client: bool) -> dict[str, Any]:
     time: redis-py's asyncio connection appends to the one it is given)."""
     from redis.backoff import ExponentialWithJitterBackoff
     from redis.exceptions import ConnectionError, TimeoutError
+    from redis.retry import AbstractRetry
 
+    backoff = ExponentialWithJitterBackoff(cap=RETRY_BACKOFF_CAP, base=RETRY_BACKOFF_BASE)
+    retry: AbstractRetry
     if asyncio_client:
-        from redis.asyncio.retry import Retry
+        from redis.asyncio.retry import Retry as AsyncioRetry
+
+        retry = AsyncioRetry(backoff, 1)
     else:
         from redis.retry import Retry
-    return {
-        "retry": Retry(ExponentialWithJitterBackoff(cap=RETRY_BACKOFF_CAP, base=RETRY_BACKOFF_BASE), 1),
-        "retry_on_error": [ConnectionError, TimeoutError],
-    }
+
+        retry = Retry(backoff, 1)
+    return {"retry": retry, "retry_on_error": [ConnectionError, TimeoutError]}
 
 
 class RedisConnections:
