@@ -106,7 +106,7 @@ class Command(BaseCommand):
             writes = [t for t in writes if t in existing]
             reads = [t for t in reads if t in existing]
 
-            def run(statement: sql.Composable, **names) -> None:
+            def run(statement: sql.SQL, **names) -> None:
                 cursor.execute(statement.format(**names).as_string(raw))
 
             who, in_schema = sql.Identifier(role), sql.Identifier(schema)
