@@ -327,15 +327,15 @@ class ContentField(serializers.Field):
             raise serializers.ValidationError("Content must be a string for this role.")
         if not isinstance(data, list):
             self.fail("invalid")
-        errors: dict[int, Any] = {}
+        errors: dict[str, Any] = {}  # by the block's index (JSON object keys are strings)
         for index, block in enumerate(data):
             kind = block.get("type") if isinstance(block, dict) else None
-            if kind not in self.block_types:
-                errors[index] = [f"Block type must be one of: {', '.join(self.block_types)}."]
+            if not isinstance(kind, str) or kind not in self.block_types:
+                errors[str(index)] = [f"Block type must be one of: {', '.join(self.block_types)}."]
                 continue
             serializer = self.block_serializers[kind](data=block)
             if not serializer.is_valid():
-                errors[index] = serializer.errors
+                errors[str(index)] = serializer.errors
         if errors:
             raise serializers.ValidationError(errors)
         return data
@@ -397,7 +397,7 @@ class MessageField(serializers.Field):
         if not isinstance(data, dict):
             self.fail("invalid")
         role = data.get("role")
-        if role not in self.roles:
+        if not isinstance(role, str) or role not in self.roles:
             raise serializers.ValidationError({"role": [f"Role must be one of: {', '.join(self.roles)}."]})
         serializer = self.message_serializers[role](data=data)
         if not serializer.is_valid():
