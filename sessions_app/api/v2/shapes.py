@@ -16,6 +16,7 @@ from typing import Any
 
 from rest_framework import serializers
 
+from aap.types import HistoryType
 from sessions_app import protocol as v3
 from sessions_app.protocol import StrictBooleanField, StrictCharField, StrictSerializer
 
@@ -93,7 +94,7 @@ def agent_info_to_v2(info: dict) -> dict:
     return info
 
 
-def session_to_v2(info: dict, history: Mapping[str, list[dict]]) -> dict:
+def session_to_v2(info: dict, history: Mapping[HistoryType, list[dict]]) -> dict:
     """A v3 SessionInfo and the history types the agent keeps, as a v2 SessionResponse."""
     body = dict(info)
     if "tools" in body:
