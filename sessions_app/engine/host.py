@@ -434,6 +434,8 @@ async def execute(plan: TurnPlan, running: RunningTurns | None = None) -> TurnOu
     host_tools.CURRENT_TURN.set(ctx)  # server tools that act per tenant or session read it (MCP)
     runtime = runtime_for(plan.runtime_kind)
     task = asyncio.current_task()
+    if task is None:  # a coroutine run by an event loop runs in a task
+        raise RuntimeError("execute() runs in an asyncio task")
     publisher.task = task
     running.add(plan.turn_id, task, publisher)
     cancelled, error = False, ""
