@@ -17,6 +17,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection
+from django.db.models import Field
 from django.utils import timezone
 
 from agents.models import Agent
@@ -174,6 +175,8 @@ def update_session(session_pk: int, **fields) -> None:
     columns, params = [], []
     for name, value in fields.items():
         field = Session._meta.get_field(name)
+        if not isinstance(field, Field):  # a reverse relation: no column here
+            raise ValueError(f"{name!r} is not a column of the session")
         columns.append(f"{field.column} = %s")
         params.append(field.get_db_prep_save(value, connection))
     columns.append("updated_at = %s")
@@ -435,7 +438,7 @@ def compacted_history_after(
             f"UNION ALL SELECT 1, seq, id, NULL, NULL FROM "
             f"(SELECT seq, id {rows_of} AND seq <= %s ORDER BY seq DESC LIMIT 1) AS last_row "
             f"UNION ALL SELECT 2, seq, id, data, turn_id {rows_of} AND seq > %s ORDER BY 1, 2",
-            [session_pk, Message.COMPACTED] + [session_pk, Message.COMPACTED, after_seq] * 2,
+            (session_pk, Message.COMPACTED) + (session_pk, Message.COMPACTED, after_seq) * 2,
         )
         rows = cursor.fetchall()
     first = last = None
