@@ -55,9 +55,9 @@ def tenant_for_raw_token(raw: str) -> ApiToken | None:
     if ttl > 0:
         cached = _cache.get(key)
         if cached is not None and time.monotonic() - cached[0] < ttl:
-            row = cached[1]
-            if row[3] is None or row[3] > timezone.now():
-                return _token_from_row(row)
+            kept = cached[1]
+            if kept[3] is None or kept[3] > timezone.now():
+                return _token_from_row(kept)
     row = _active_row("k.token_hash = %s", key)
     if row is None:
         _cache.pop(key, None)

@@ -2,10 +2,14 @@
 
 import hashlib
 import secrets
+from typing import TYPE_CHECKING
 
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
+
+if TYPE_CHECKING:
+    from infra.limits import RateState
 
 TOKEN_PREFIX = "aap_"  # noqa: S105 (the public prefix of every token, not a token)
 
@@ -51,6 +55,9 @@ class Tenant(models.Model):
         help_text="Share of the workers when they are all busy: a tenant of weight 2 runs twice as many turns "
         "at once as a tenant of weight 1 that waits too (1-1000).",
     )
+    # Not a column: the turns-per-minute window of the request's tenant, left on it by the API's
+    # authentication and by a turn start for the rate headers (infra.limits).
+    _aap_rate_state: "RateState | None"
 
     class Meta:
         ordering = ["name"]
