@@ -136,8 +136,8 @@ def forget_expired_idempotency_keys() -> int:
 
 def sweep_stale_turns() -> int:
     """End every lost turn of this deployment's queue, forget expired Idempotency-Keys (run
-    periodically); returns how many turns were ended. It reads PostgreSQL only: a Redis that is down or full (nothing
-    can be published) does not keep the lost turns from being ended."""
+    periodically); returns how many turns were ended. It reads PostgreSQL only: a Redis that
+    is down or full (nothing can be published) does not keep the lost turns from being ended."""
     forget_expired_idempotency_keys()
     ended = 0
     running = Turn.objects.filter(status=Turn.RUNNING, queue=settings.AAP_TURN_QUEUE)

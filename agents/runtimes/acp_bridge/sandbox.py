@@ -156,10 +156,7 @@ def namespaces_missing() -> tuple[str, ...]:
             timeout=TRIAL_SECONDS,
             check=False,
         )
-    except subprocess.TimeoutExpired:
-        logger.warning(
-            "sandbox: the trial run of user namespaces did not finish in %ds; the next start tries again", TRIAL_SECONDS
-        )
+    except subprocess.TimeoutExpired:  # the refused start logs this sentence (AgentProcess.spawn)
         raise SandboxError(
             f"The agent cannot start yet: the sandbox's trial run did not finish within {TRIAL_SECONDS} seconds "
             "(the host is busy). The next start tries again."

@@ -242,8 +242,8 @@ class _PublishBatcher:
 
 
 def _stored(entry: StreamEntry) -> tuple[int, dict]:
-    """A stream entry read by the blocking client as (seq, event). That client decodes
-    responses (infra/redis_connections.py), and an XRANGE entry always has its fields."""
+    """A stream entry as (seq, event). Both clients decode responses
+    (infra/redis_connections.py), and an XRANGE entry always has its fields."""
     entry_id, fields = entry
     if not isinstance(entry_id, str) or fields is None:
         raise TypeError(f"unexpected stream entry {entry!r}: the client must decode responses")
@@ -295,7 +295,7 @@ class RedisEvents:
 
     async def last(self, turn_id: str) -> tuple[int, dict] | None:
         entries = await self.aclient().xrevrange(stream_key(turn_id), count=1)
-        return (int(entries[0][0].split("-")[1]), json.loads(entries[0][1]["e"])) if entries else None
+        return _stored(entries[0]) if entries else None
 
     def last_sync(self, turn_id: str) -> tuple[int, dict] | None:
         entries = self.sync.xrevrange(stream_key(turn_id), count=1)
