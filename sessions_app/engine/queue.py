@@ -207,7 +207,7 @@ def wake_after_commit(node: str | None = None) -> None:
 def wake(node: str | None = None) -> None:
     """After a turn is committed: tell a worker that it waits (`node`: the worker it is
     pinned to). On PostgreSQL there is nothing to do: the statement that stored the turn
-    notified the workers, who hear it at the commit (store.insert_turn). Never raises:
+    notified the workers, who hear it at the commit (store.start_turn). Never raises:
     without a wake-up, the workers find the turn at their next look."""
     if not settings.REDIS_URL:
         import_string(EMBEDDED_WAKE)()

@@ -170,8 +170,9 @@ def session_for_turn(session_pk: int) -> TurnSession | None:
     return _turn_session(row) if row else None
 
 
-def update_session(session_pk: int, **fields) -> None:
-    """Set columns of a session (JSON ones encoded as their field does); updated_at too."""
+def _session_update(session_pk: int, fields: dict) -> tuple[str, list]:
+    """The UPDATE setting columns of a session (JSON ones encoded as their field does) and
+    updated_at, with its parameters."""
     columns, params = [], []
     for name, value in fields.items():
         field = Session._meta.get_field(name)
@@ -181,38 +182,13 @@ def update_session(session_pk: int, **fields) -> None:
         params.append(field.get_db_prep_save(value, connection))
     columns.append("updated_at = %s")
     params.append(_now())
-    with connection.cursor() as cursor:
-        cursor.execute(f"UPDATE {S} SET {', '.join(columns)} WHERE id = %s", [*params, session_pk])
-
-
-def close_turn_on_session(
-    session_pk: int, *, added: int, pending_calls: list, prompt_tokens: int, completion_tokens: int
-) -> int | None:
-    """After a turn: reserve `added` message positions, store the pending calls and usage,
-    clear the active turn. Returns the new last position (None: the session is gone).
-    The UPDATE locks the row, so concurrent writers of the session's history queue here."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {S} SET message_seq = message_seq + %s, pending_calls = %s, active_turn_id = NULL, "
-            f"prompt_tokens = prompt_tokens + %s, completion_tokens = completion_tokens + %s, updated_at = %s "
-            f"WHERE id = %s RETURNING message_seq",
-            [
-                added,
-                _json_param(Session, "pending_calls", pending_calls),
-                prompt_tokens,
-                completion_tokens,
-                _now(),
-                session_pk,
-            ],
-        )
-        row = cursor.fetchone()
-    return row[0] if row else None
+    return f"UPDATE {S} SET {', '.join(columns)} WHERE id = %s", [*params, session_pk]
 
 
 # --- turns ------------------------------------------------------------------------------------
 
 
-# The PostgreSQL notification channel of waiting turns (insert_turn), which each worker
+# The PostgreSQL notification channel of waiting turns (start_turn), which each worker
 # listens to (sessions_app.engine.worker).
 WAKE_CHANNEL = "aap_turn_waits"
 
@@ -222,37 +198,67 @@ def wake_payload(queue: str, node: str) -> str:
     return f"{queue}\t{node}"
 
 
-def insert_turn(
-    turn_id: str, session_pk: int, stream: str, permissions: list, *, node: str = "", trace_parent: str = ""
+def start_turn(
+    turn_id: str,
+    session_pk: int,
+    stream: str,
+    permissions: list,
+    *,
+    first_seq: int,
+    messages: list[dict],
+    session_fields: dict,
+    node: str = "",
+    trace_parent: str = "",
 ) -> None:
-    """A new queued turn; `node`: the worker that must run it (it holds the prompt the turn
-    answers), else any; `trace_parent`: the trace its run continues. On PostgreSQL the same
-    statement notifies WAKE_CHANNEL, which the workers hear when the transaction commits
-    (never before, never for a turn rolled back): payload `wake_payload(queue, node)`."""
+    """Store a new queued turn with the messages it brings (full and compacted history, at
+    `first_seq`, `first_seq` + 1...) and the session's changes (`session_fields`, columns of
+    the session). `node`: the worker that must run it (it holds the prompt the turn answers),
+    else any; `trace_parent`: the trace its run continues.
+
+    On PostgreSQL one statement does all three (its data-modifying CTEs), and it notifies
+    WAKE_CHANNEL, which the workers hear when the transaction commits (never before, never
+    for a turn rolled back): payload `wake_payload(queue, node)`. The caller holds the
+    session's lock (lock_session), so the statement sees the session as it is."""
     insert = (
         f"INSERT INTO {T} (id, session_id, status, stream, stop_reason, cancelled, permissions, error, "
         f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq, pinned_node, trace_parent, "
         f"queue) VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0, %s, %s, %s)"
     )
-    notifies = connection.vendor == "postgresql"
-    if notifies:
-        insert = f"WITH stored AS ({insert} RETURNING 1) SELECT pg_notify(%s, %s) FROM stored"
+    params: list = [
+        turn_id,
+        session_pk,
+        Turn.QUEUED,
+        stream,
+        False,
+        _json_param(Turn, "permissions", permissions),
+        _now(),
+        node or "",
+        trace_parent,
+        settings.AAP_TURN_QUEUE,
+    ]
+    rows = _message_rows(session_pk, first_seq, messages, turn_id=turn_id)
+    update, update_params = _session_update(session_pk, session_fields)
+    if connection.vendor != "postgresql" or len(rows) > INSERT_BATCH:
+        with connection.cursor() as cursor:
+            cursor.execute(insert, params)
+        insert_message_rows(rows)
+        with connection.cursor() as cursor:
+            cursor.execute(update, update_params)
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_notify(%s, %s)", [WAKE_CHANNEL, wake_payload(settings.AAP_TURN_QUEUE, node)])
+        return
+    ctes = [f"stored AS ({insert} RETURNING 1)"]
+    if rows:
+        rows_sql, rows_params = _message_insert(rows)
+        ctes.append(f"added AS ({rows_sql})")
+        params += rows_params
+    ctes.append(f"moved AS ({update})")
+    params += update_params
     with connection.cursor() as cursor:
         cursor.execute(
-            insert,
-            [
-                turn_id,
-                session_pk,
-                Turn.QUEUED,
-                stream,
-                False,
-                _json_param(Turn, "permissions", permissions),
-                _now(),
-                node or "",
-                trace_parent,
-                settings.AAP_TURN_QUEUE,
-                *([WAKE_CHANNEL, wake_payload(settings.AAP_TURN_QUEUE, node)] if notifies else []),
-            ],
+            f"WITH {', '.join(ctes)} SELECT pg_notify(%s, %s) FROM stored",
+            [*params, WAKE_CHANNEL, wake_payload(settings.AAP_TURN_QUEUE, node)],
         )
 
 
@@ -320,10 +326,12 @@ def claim_turn(turn_id: str) -> ClaimedTurn | None:
 @dataclass(frozen=True)
 class EndedTurn:
     others_waiting: bool  # as it ended, other turns were waiting for a worker slot
+    last: int | None  # the session's last message position, the turn's output reserved; None: gone
 
 
 def end_turn(
     turn_id: str,
+    session_pk: int,
     *,
     stop_reason: str,
     cancelled: bool,
@@ -331,40 +339,71 @@ def end_turn(
     prompt_tokens: int,
     completion_tokens: int,
     model_calls: int,
-    produced: bool = False,
+    added: int,
+    pending_calls: list,
     usage_estimated: bool = False,
 ) -> EndedTurn | None:
-    """running -> done; None when it was no longer running (declared lost, or deleted).
-    The same statement says whether other turns wait for a worker slot (a hint for the worker
-    thread that ran this one, sessions_app.engine.worker: no statement of its own).
+    """running -> done, and the turn closed on its session: `added` message positions
+    reserved for its output, its pending calls stored, its usage added, the active turn
+    cleared. None (nothing written) when it was no longer running (declared lost, or
+    deleted). The caller holds the session's lock (lock_session_row), so both writes see
+    the session as it is. One statement on PostgreSQL (two data-modifying CTEs).
 
-    `produced`: the turn's output is about to be appended to its session, so its first
-    message will be the session's next seq; that seq is the turn's `output_seq` (set in the
-    same statement, before the session moves on)."""
+    The same statement says whether other turns wait for a worker slot (a hint for the worker
+    thread that ran this one, sessions_app.engine.worker: no statement of its own). When the
+    turn produces output, its first message will be the session's next position: that is
+    the turn's `output_seq`, set before the session moves on."""
+    end = (
+        f"UPDATE {T} SET status = %s, stop_reason = %s, cancelled = %s, error = %s, finished_at = %s, "
+        f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, usage_estimated = %s, partial = '', "
+        f"output_seq = CASE WHEN %s THEN (SELECT message_seq + 1 FROM {S} WHERE id = {T}.session_id) ELSE 0 END "
+        f"WHERE id = %s AND status = %s "
+        f"RETURNING EXISTS (SELECT 1 FROM {T} w WHERE {waiting('w')}) AS others_waiting"
+    )
+    now = _now()
+    end_params = [
+        Turn.DONE,
+        stop_reason,
+        cancelled,
+        error,
+        now,
+        prompt_tokens,
+        completion_tokens,
+        model_calls,
+        usage_estimated,
+        added > 0,
+        turn_id,
+        Turn.RUNNING,
+    ]
+    close = (
+        f"UPDATE {S} SET message_seq = message_seq + %s, pending_calls = %s, active_turn_id = NULL, "
+        f"prompt_tokens = prompt_tokens + %s, completion_tokens = completion_tokens + %s, updated_at = %s "
+        f"WHERE id = %s"
+    )
+    close_params = [
+        added,
+        _json_param(Session, "pending_calls", pending_calls),
+        prompt_tokens,
+        completion_tokens,
+        now,
+        session_pk,
+    ]
     with connection.cursor() as cursor:
+        if connection.vendor != "postgresql":  # the embedded default (SQLite): no writes in a WITH
+            cursor.execute(end, end_params)
+            row = cursor.fetchone()
+            if row is None:
+                return None
+            cursor.execute(f"{close} RETURNING message_seq", close_params)
+            closed = cursor.fetchone()
+            return EndedTurn(bool(row[0]), closed[0] if closed else None)
         cursor.execute(
-            f"UPDATE {T} SET status = %s, stop_reason = %s, cancelled = %s, error = %s, finished_at = %s, "
-            f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, usage_estimated = %s, partial = '', "
-            f"output_seq = CASE WHEN %s THEN (SELECT message_seq + 1 FROM {S} WHERE id = {T}.session_id) ELSE 0 END "
-            f"WHERE id = %s AND status = %s "
-            f"RETURNING EXISTS (SELECT 1 FROM {T} w WHERE {waiting('w')})",
-            [
-                Turn.DONE,
-                stop_reason,
-                cancelled,
-                error,
-                _now(),
-                prompt_tokens,
-                completion_tokens,
-                model_calls,
-                usage_estimated,
-                produced,
-                turn_id,
-                Turn.RUNNING,
-            ],
+            f"WITH ended AS ({end}), closed AS ({close} AND EXISTS (SELECT 1 FROM ended) RETURNING message_seq) "
+            f"SELECT others_waiting, (SELECT message_seq FROM closed) FROM ended",
+            [*end_params, *close_params],
         )
         row = cursor.fetchone()
-    return EndedTurn(bool(row[0])) if row else None
+    return EndedTurn(bool(row[0]), row[1]) if row else None
 
 
 def heartbeat(turn_ids: list[str], partials: dict[str, str]) -> None:
@@ -396,31 +435,40 @@ def turn_output(turn_id: str, session_pk: int, output_seq: int) -> list[dict]:
 # --- history ----------------------------------------------------------------------------------
 
 
-def insert_messages(
+def _message_rows(
     session_pk: int, first_seq: int, messages: list[dict], *, turn_id: str | None = None, compacted_from: int = 0
-) -> list[int]:
-    """Store messages at positions first_seq, first_seq + 1, ... in full history, and those
-    from index `compacted_from` on in compacted history too. Returns their positions."""
+) -> list[tuple]:
     rows = []
     for offset, message in enumerate(messages):
         text, role, seq = dumps(message), message.get("role", ""), first_seq + offset
         rows.append((session_pk, Message.FULL, seq, role, text, turn_id))
         if offset >= compacted_from:
             rows.append((session_pk, Message.COMPACTED, seq, role, text, turn_id))
-    insert_message_rows(rows)
+    return rows
+
+
+def insert_messages(
+    session_pk: int, first_seq: int, messages: list[dict], *, turn_id: str | None = None, compacted_from: int = 0
+) -> list[int]:
+    """Store messages at positions first_seq, first_seq + 1, ... in full history, and those
+    from index `compacted_from` on in compacted history too. Returns their positions."""
+    insert_message_rows(_message_rows(session_pk, first_seq, messages, turn_id=turn_id, compacted_from=compacted_from))
     return [first_seq + offset for offset in range(len(messages))]
+
+
+def _message_insert(batch: list[tuple]) -> tuple[str, list]:
+    values = ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(batch))
+    return (
+        f"INSERT INTO {M} (session_id, kind, seq, role, data, turn_id) VALUES {values}",
+        [value for row in batch for value in row],
+    )
 
 
 def insert_message_rows(rows: list[tuple]) -> None:
     """(session_id, kind, seq, role, data, turn_id) rows, in batches."""
     with connection.cursor() as cursor:
         for start in range(0, len(rows), INSERT_BATCH):
-            batch = rows[start : start + INSERT_BATCH]
-            values = ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(batch))
-            cursor.execute(
-                f"INSERT INTO {M} (session_id, kind, seq, role, data, turn_id) VALUES {values}",
-                [value for row in batch for value in row],
-            )
+            cursor.execute(*_message_insert(rows[start : start + INSERT_BATCH]))
 
 
 def compacted_history_after(

@@ -662,10 +662,12 @@ def turn_execute(
     it, with the worker's `liveness` (its heartbeat), `running` turns (a cancel reaches it
     there) and kept `histories`. Returns whether other turns were waiting for a worker slot
     as it ended (True when that is not known): the thread then claims the next."""
-    backend = events.backend()
+    # From here a cancel signal is kept for the turn; before, it is read with the lease.
+    running.expect(turn_id)
     try:
-        backend.set_lease_sync(turn_id)  # the Redis lease backs up the PostgreSQL heartbeat
-    except Exception:  # the Redis lease is a backup: the turn runs without it
+        # The Redis lease backs up the PostgreSQL heartbeat.
+        running.expect(turn_id, cancelled=events.backend().take_lease_sync(turn_id))
+    except Exception:  # the lease is a backup: the turn runs without it (a cancel was refused with 503)
         logger.warning("no Redis lease for turn %s; its heartbeat stands alone", turn_id, exc_info=True)
     metrics.turn_claimed(claimed.waited)
     liveness.track(turn_id, None if claimed.stream == "delta" else lambda: _output_json(running, turn_id))
@@ -673,6 +675,7 @@ def turn_execute(
         return _execute_claimed(turn_id, claimed, running, histories)
     finally:
         liveness.untrack(turn_id)
+        running.remove(turn_id)
 
 
 def _execute_claimed(
@@ -738,7 +741,7 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
         # The lock order of every transaction on a session and its turns: the session first
         # (a delete holding it and waiting for this turn's row would otherwise deadlock).
         store.lock_session_row(session_pk)
-        ended = _end_turn(turn_id, outcome)
+        ended = _end_turn(turn_id, session_pk, outcome)
         if not ended:
             # Deleted with its session, a retry whose first commit went through, or a turn
             # declared lost while this worker was frozen or cut off: it ended once already,
@@ -748,14 +751,7 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
                 logger.warning("turn %s finished after it was declared lost; its answer is not kept", turn_id)
             transaction.on_commit(lambda: publish_stop_if_missing(turn_id))
             return True
-        others_waiting = ended.others_waiting
-        last = store.close_turn_on_session(
-            session_pk,
-            added=len(outcome.messages),
-            pending_calls=outcome.pending_calls,
-            prompt_tokens=outcome.prompt_tokens,
-            completion_tokens=outcome.completion_tokens,
-        )
+        others_waiting, last = ended.others_waiting, ended.last
         if last is None:
             return others_waiting
         first = last - len(outcome.messages) + 1
@@ -771,17 +767,20 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
     return others_waiting
 
 
-def _end_turn(turn_id: str, outcome: host.TurnOutcome) -> store.EndedTurn | None:
-    """running -> done with the outcome's stop reason, error and usage (store.end_turn)."""
+def _end_turn(turn_id: str, session_pk: int, outcome: host.TurnOutcome) -> store.EndedTurn | None:
+    """running -> done with the outcome's stop reason, error and usage, closed on its session
+    (store.end_turn)."""
     return store.end_turn(
         turn_id,
+        session_pk,
         stop_reason=outcome.stop_reason,
         cancelled=outcome.cancelled,
         error=outcome.error[:500],
         prompt_tokens=outcome.prompt_tokens,
         completion_tokens=outcome.completion_tokens,
         model_calls=outcome.model_calls,
-        produced=bool(outcome.messages),
+        added=len(outcome.messages),
+        pending_calls=outcome.pending_calls,
         usage_estimated=outcome.usage_estimated,
     )
 

@@ -29,7 +29,15 @@ def session_pk():
 
 def _queued(session_pk: int) -> str:
     turn_id = "turn_" + uuid.uuid4().hex
-    store.insert_turn(turn_id, session_pk, "delta", [{"toolCallId": "c1", "granted": True}])
+    store.start_turn(
+        turn_id,
+        session_pk,
+        "delta",
+        [{"toolCallId": "c1", "granted": True}],
+        first_seq=1,
+        messages=[],
+        session_fields={},
+    )
     return turn_id
 
 

@@ -45,9 +45,16 @@ class Session_:
 
     def start_turn(self, text: str) -> str:
         turn_id = "turn_" + uuid.uuid4().hex
-        store.insert_turn(turn_id, self.pk, "none", [])
         self.seq += 1
-        store.insert_messages(self.pk, self.seq, [{"role": "user", "content": text}], turn_id=turn_id)
+        store.start_turn(
+            turn_id,
+            self.pk,
+            "none",
+            [],
+            first_seq=self.seq,
+            messages=[{"role": "user", "content": text}],
+            session_fields={},
+        )
         return turn_id
 
     def answer(self, text: str) -> None:

@@ -119,15 +119,22 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
         # Permission answers go to the worker holding the prompt that waits on them (ACP).
         node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
         room = None if node or mode == "none" else queue.room_for(turn.id, tenant)
-        store.insert_turn(turn.id, session.pk, mode, permissions, node=node or "", trace_parent=tracing.trace_parent())
         incoming = tool_messages if session.pending_calls else messages
-        store.insert_messages(session.pk, session.message_seq + 1, incoming, turn_id=turn.id)
-        store.update_session(
+        store.start_turn(
+            turn.id,
             session.pk,
-            pending_calls=[],
-            active_turn=turn.id,
-            message_seq=session.message_seq + len(incoming),
-            **changes,
+            mode,
+            permissions,
+            first_seq=session.message_seq + 1,
+            messages=incoming,
+            session_fields={
+                "pending_calls": [],
+                "active_turn": turn.id,
+                "message_seq": session.message_seq + len(incoming),
+                **changes,
+            },
+            node=node or "",
+            trace_parent=tracing.trace_parent(),
         )
         idempotency_keys.remember(tenant, idempotency, session.public_id, turn.id)
         # `turn_start` (event 1) before the commit: a client sees its turn begin at once, and
