@@ -77,6 +77,8 @@ class RunningTurns:
     def __init__(self) -> None:
         self._tasks: dict[str, asyncio.Task] = {}
         self._publishers: dict[str, _Publisher] = {}
+        # Claimed turns not running yet (expect): whether a cancel came for each meanwhile.
+        self._expected: dict[str, bool] = {}
         # Held here because the loop keeps tasks only weakly: a collected listener hears no cancel.
         self._listener: asyncio.Task | None = None
         self._closed = False
@@ -96,14 +98,25 @@ class RunningTurns:
         if listener is not None:
             listener.get_loop().call_soon_threadsafe(listener.cancel)
 
-    def add(self, turn_id: str, task: asyncio.Task | None, publisher: _Publisher) -> None:
+    def expect(self, turn_id: str, *, cancelled: bool = False) -> None:
+        """A turn this worker claimed and will run: a cancel heard before it runs is kept for
+        it (`cancelled`: one was requested while it waited)."""
+        if cancelled:
+            self._expected[turn_id] = True
+        else:
+            self._expected.setdefault(turn_id, False)  # never unsets a cancel heard meanwhile
+
+    def add(self, turn_id: str, task: asyncio.Task | None, publisher: _Publisher) -> bool:
+        """The turn runs now (on the runtime loop); whether it was cancelled before it ran."""
         if task is not None:
             self._tasks[turn_id] = task
         self._publishers[turn_id] = publisher
+        return self._expected.pop(turn_id, False)
 
     def remove(self, turn_id: str) -> None:
         self._tasks.pop(turn_id, None)
         self._publishers.pop(turn_id, None)
+        self._expected.pop(turn_id, None)
 
     def __contains__(self, turn_id: object) -> bool:
         return turn_id in self._tasks
@@ -111,8 +124,11 @@ class RunningTurns:
     def cancel(self, turn_id: str) -> None:
         """A cancel signal: the turn stops where its agent is, if it runs here (any thread)."""
         task = self._tasks.get(turn_id)
-        if task is not None and not task.done():
-            task.get_loop().call_soon_threadsafe(task.cancel)
+        if task is not None:
+            if not task.done():
+                task.get_loop().call_soon_threadsafe(task.cancel)
+        elif turn_id in self._expected:
+            self._expected[turn_id] = True  # it stops before it starts
 
     def output_so_far(self, turn_id: str) -> list[dict] | None:
         """What the running turn's agent produced so far, as `message`-mode events (whole
@@ -413,14 +429,6 @@ async def _resolve_permissions(ctx: HostContext, plan: TurnPlan) -> None:
         ctx.history.append({"role": "tool", "toolCallId": call.toolCallId, "content": content})
 
 
-async def _cancel_requested(turn_id: str) -> bool:
-    try:
-        return await events.backend().cancel_requested(turn_id)
-    except Exception:  # Redis down: the turn runs (a cancel sent meanwhile was refused with 503)
-        logger.warning("could not check turn %s for a cancel", turn_id, exc_info=True)
-        return False
-
-
 def _log_failure(plan: TurnPlan, exc: BaseException) -> None:
     logger.error("turn %s (agent %s) failed", plan.turn_id, plan.agent_name, exc_info=exc)
 
@@ -437,11 +445,11 @@ async def execute(plan: TurnPlan, running: RunningTurns | None = None) -> TurnOu
     if task is None:  # a coroutine run by an event loop runs in a task
         raise RuntimeError("execute() runs in an asyncio task")
     publisher.task = task
-    running.add(plan.turn_id, task, publisher)
+    cancelled_before = running.add(plan.turn_id, task, publisher)
     cancelled, error = False, ""
     stop_reason = "error"
     try:
-        if await _cancel_requested(plan.turn_id):
+        if cancelled_before:
             # Cancelled while queued: a CancelledError raised here would not count as a cancel.
             cancelled, stop_reason = True, "end_turn"
         else:

@@ -32,7 +32,7 @@ def test_nothing_is_written_after_turn_stop(redis_events):
     turn = f"fence-{uuid.uuid4().hex}"
     redis_events.publish_sync(turn, 1, START)
     asyncio.run(redis_events.publish_many(turn, [(2, DELTA)]))
-    redis_events.set_lease_sync(turn)
+    redis_events.take_lease_sync(turn)
     redis_events.publish_sync(turn, 3, STOP, final=True)
     assert not redis_events.lease_alive_sync(turn)  # the ending clears the lease
 

@@ -100,6 +100,10 @@ class MemoryEvents:
     def set_lease_sync(self, turn_id: str) -> None:
         self._leases[turn_id] = time.monotonic() + settings.AAP_TURN_LEASE_SECONDS
 
+    def take_lease_sync(self, turn_id: str) -> bool:
+        self.set_lease_sync(turn_id)
+        return turn_id in self._cancelled
+
     def refresh_leases_sync(self, turn_ids: list[str]) -> None:
         for turn_id in turn_ids:
             self.set_lease_sync(turn_id)
@@ -114,9 +118,6 @@ class MemoryEvents:
         self._cancelled.add(turn_id)
         for handler in list(self._cancel_handlers):
             handler(turn_id)
-
-    async def cancel_requested(self, turn_id: str) -> bool:
-        return turn_id in self._cancelled
 
     async def listen_cancels(self, on_cancel: Callable[[str], None]) -> None:
         """Until cancelled: dispatch cancel signals to `on_cancel` (a worker's running turns)."""

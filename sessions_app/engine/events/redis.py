@@ -302,8 +302,13 @@ class RedisEvents:
         return _stored(entries[0]) if entries else None
 
     # liveness
-    def set_lease_sync(self, turn_id: str) -> None:
-        self.sync.set(lease_key(turn_id), "1", px=int(settings.AAP_TURN_LEASE_SECONDS * 1000))
+    def take_lease_sync(self, turn_id: str) -> bool:
+        """A claimed turn's lease, set in the round trip that reads whether a cancel was
+        requested while it waited (then it must not run)."""
+        pipe = self.sync.pipeline(transaction=False)
+        pipe.set(lease_key(turn_id), "1", px=int(settings.AAP_TURN_LEASE_SECONDS * 1000))
+        pipe.exists(cancel_key(turn_id))
+        return bool(pipe.execute()[1])
 
     def refresh_leases_sync(self, turn_ids: list[str]) -> None:
         pipe = self.sync.pipeline(transaction=False)
@@ -323,9 +328,6 @@ class RedisEvents:
         pipe.set(cancel_key(turn_id), "1", ex=live_stream_ttl())
         pipe.publish(CANCEL_CHANNEL, turn_id)
         pipe.execute()
-
-    async def cancel_requested(self, turn_id: str) -> bool:
-        return bool(await self.aclient().exists(cancel_key(turn_id)))
 
     async def listen_cancels(self, on_cancel: Callable[[str], None]) -> None:
         """Until cancelled, on the runtime loop: dispatch cancel signals to `on_cancel` (a
