@@ -4,7 +4,8 @@ HTTP goes to Django: `/v1/` (the AAP API) and `/v2/` (its v2-era surface) throug
 middleware, views on a shared thread pool), the rest (admin, static, health) through the
 stock handler. A turn's stream is handed off by its view to TurnStreamHandoff, which
 writes it from the event loop (no thread and no database connection per open stream);
-V2TurnShaper reshapes the bodies of `/v2/` turns on their way out. Static files (admin) are served here too, for a self-contained deployment.
+V2TurnShaper, which only `/v2/` requests pass through, reshapes the bodies of their turns
+on the way out. Static files (admin) are served here too, for a self-contained deployment.
 """
 
 import os
@@ -21,9 +22,9 @@ from infra.handlers import ApiHandler, PathRouter  # noqa: E402
 from sessions_app.api.v2.stream import V2TurnShaper  # noqa: E402
 from sessions_app.engine.stream import TurnStreamHandoff  # noqa: E402  (needs Django set up)
 
-application = ProtocolTypeRouter(
-    {"http": V2TurnShaper(TurnStreamHandoff(PathRouter(ApiHandler(), ASGIStaticFilesHandler(django_asgi))))}
-)
+served = TurnStreamHandoff(PathRouter(ApiHandler(), ASGIStaticFilesHandler(django_asgi)))
+# Only `/v2/` responses pass through the v2 shaper.
+application = ProtocolTypeRouter({"http": PathRouter(V2TurnShaper(served), served, prefixes=("/v2/",), exact=())})
 
 
 def _let_django_read_bodies() -> None:

@@ -184,14 +184,17 @@ def _rendered(view):
 
 
 class PathRouter:
-    """ASGI: `/v1/`, `/v2/` and `/healthz` to the API handler, everything else (admin, static) to
-    `default`. /healthz avoids the admin chain, whose CommonMiddleware refuses a Host outside
-    ALLOWED_HOSTS: the container's healthcheck calls it by address."""
+    """ASGI: paths under `prefixes` (and the `exact` ones) to `app`, everything else to
+    `default`. By default `/v1/`, `/v2/` and `/healthz` go to the API handler and the rest
+    (admin, static) to Django's: /healthz avoids the admin chain, whose CommonMiddleware
+    refuses a Host outside ALLOWED_HOSTS (the container's healthcheck calls it by address)."""
 
-    def __init__(self, api, default, prefixes: tuple[str, ...] = ("/v1/", "/v2/")):
-        self.api, self.default, self.prefixes = api, default, prefixes
+    def __init__(
+        self, app, default, prefixes: tuple[str, ...] = ("/v1/", "/v2/"), exact: tuple[str, ...] = ("/healthz",)
+    ):
+        self.app, self.default, self.prefixes, self.exact = app, default, prefixes, exact
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        app = self.api if path.startswith(self.prefixes) or path == "/healthz" else self.default
+        app = self.app if path.startswith(self.prefixes) or path in self.exact else self.default
         return await app(scope, receive, send)

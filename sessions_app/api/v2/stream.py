@@ -85,14 +85,13 @@ class JSONShaper:
 
 
 class V2TurnShaper:
-    """ASGI middleware: reshape the turn bodies of `/v2/` responses that carry MARKER_HEADER."""
+    """ASGI middleware: reshape the turn bodies of responses that carry MARKER_HEADER (the
+    `/v2/` ones: hosting/asgi.py routes only those through it)."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope.get("path", "").startswith("/v2/"):
-            return await self.app(scope, receive, send)
         shaper: SSEShaper | JSONShaper | None = None
 
         async def reshape(message):
