@@ -126,14 +126,16 @@ def lock_session(tenant_id: int, public_id: str) -> SessionRow | None:
     return _session_row(row) if row else None
 
 
-def lock_session_row(session_pk: int) -> bool:
-    """Lock a session's row until the transaction ends; False when it is gone. Every
-    transaction that writes a session and its turns takes the session first, then the turn
-    (docs/api.md, Guarantees): a delete and a turn's end never wait for each other in a cycle."""
+def lock_session_row(session_pk: int) -> int | None:
+    """Lock a session's row until the transaction ends; its last message position, None when
+    it is gone. Every transaction that writes a session and its turns takes the session
+    first, then the turn (docs/api.md, Guarantees): a delete and a turn's end never wait for
+    each other in a cycle."""
     lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT id FROM {S} WHERE id = %s{lock}", [session_pk])
-        return cursor.fetchone() is not None
+        cursor.execute(f"SELECT message_seq FROM {S} WHERE id = %s{lock}", [session_pk])
+        row = cursor.fetchone()
+    return row[0] if row else None
 
 
 @dataclass
@@ -326,38 +328,36 @@ def claim_turn(turn_id: str) -> ClaimedTurn | None:
 @dataclass(frozen=True)
 class EndedTurn:
     others_waiting: bool  # as it ended, other turns were waiting for a worker slot
-    last: int | None  # the session's last message position, the turn's output reserved; None: gone
 
 
 def end_turn(
     turn_id: str,
     session_pk: int,
     *,
+    message_seq: int,
+    messages: list[dict],
     stop_reason: str,
     cancelled: bool,
     error: str,
     prompt_tokens: int,
     completion_tokens: int,
     model_calls: int,
-    added: int,
     pending_calls: list,
     usage_estimated: bool = False,
 ) -> EndedTurn | None:
-    """running -> done, and the turn closed on its session: `added` message positions
-    reserved for its output, its pending calls stored, its usage added, the active turn
-    cleared. None (nothing written) when it was no longer running (declared lost, or
-    deleted). The caller holds the session's lock (lock_session_row), so both writes see
-    the session as it is. One statement on PostgreSQL (two data-modifying CTEs).
+    """running -> done, with the turn's output stored: `messages` appended to the session's
+    history after `message_seq` (its last position, read under the session's lock:
+    lock_session_row), its pending calls stored, its usage added, the active turn cleared.
+    None, writing nothing, when it was no longer running (declared lost, or deleted). One
+    statement on PostgreSQL (data-modifying CTEs, each conditional on the turn's ending).
 
     The same statement says whether other turns wait for a worker slot (a hint for the worker
     thread that ran this one, sessions_app.engine.worker: no statement of its own). When the
-    turn produces output, its first message will be the session's next position: that is
-    the turn's `output_seq`, set before the session moves on."""
+    turn produced output, the position of its first message is its `output_seq`."""
     end = (
         f"UPDATE {T} SET status = %s, stop_reason = %s, cancelled = %s, error = %s, finished_at = %s, "
         f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, usage_estimated = %s, partial = '', "
-        f"output_seq = CASE WHEN %s THEN (SELECT message_seq + 1 FROM {S} WHERE id = {T}.session_id) ELSE 0 END "
-        f"WHERE id = %s AND status = %s "
+        f"output_seq = %s WHERE id = %s AND status = %s "
         f"RETURNING EXISTS (SELECT 1 FROM {T} w WHERE {waiting('w')}) AS others_waiting"
     )
     now = _now()
@@ -371,39 +371,47 @@ def end_turn(
         completion_tokens,
         model_calls,
         usage_estimated,
-        added > 0,
+        message_seq + 1 if messages else 0,
         turn_id,
         Turn.RUNNING,
     ]
     close = (
-        f"UPDATE {S} SET message_seq = message_seq + %s, pending_calls = %s, active_turn_id = NULL, "
+        f"UPDATE {S} SET message_seq = %s, pending_calls = %s, active_turn_id = NULL, "
         f"prompt_tokens = prompt_tokens + %s, completion_tokens = completion_tokens + %s, updated_at = %s "
         f"WHERE id = %s"
     )
     close_params = [
-        added,
+        message_seq + len(messages),
         _json_param(Session, "pending_calls", pending_calls),
         prompt_tokens,
         completion_tokens,
         now,
         session_pk,
     ]
+    rows = _message_rows(session_pk, message_seq + 1, messages, turn_id=turn_id)
     with connection.cursor() as cursor:
-        if connection.vendor != "postgresql":  # the embedded default (SQLite): no writes in a WITH
+        if connection.vendor != "postgresql" or len(rows) > INSERT_BATCH:  # SQLite: no writes in a WITH
             cursor.execute(end, end_params)
             row = cursor.fetchone()
             if row is None:
                 return None
-            cursor.execute(f"{close} RETURNING message_seq", close_params)
-            closed = cursor.fetchone()
-            return EndedTurn(bool(row[0]), closed[0] if closed else None)
-        cursor.execute(
-            f"WITH ended AS ({end}), closed AS ({close} AND EXISTS (SELECT 1 FROM ended) RETURNING message_seq) "
-            f"SELECT others_waiting, (SELECT message_seq FROM closed) FROM ended",
-            [*end_params, *close_params],
-        )
+            cursor.execute(close, close_params)
+            insert_message_rows(rows)
+            return EndedTurn(bool(row[0]))
+        sql = f"WITH ended AS ({end}), closed AS ({close} AND EXISTS (SELECT 1 FROM ended))"
+        params = [*end_params, *close_params]
+        if rows:
+            values = ", ".join(
+                ["(%s::bigint, %s::varchar, %s::bigint, %s::varchar, %s::text, %s::varchar)"] * len(rows)
+            )
+            sql += (
+                f", added AS (INSERT INTO {M} (session_id, kind, seq, role, data, turn_id) "
+                f"SELECT * FROM (VALUES {values}) AS v WHERE EXISTS (SELECT 1 FROM ended))"
+            )
+            params += [value for row in rows for value in row]
+        cursor.execute(f"{sql} SELECT others_waiting FROM ended", params)
         row = cursor.fetchone()
-    return EndedTurn(bool(row[0]), row[1]) if row else None
+    return EndedTurn(bool(row[0])) if row else None
 
 
 def heartbeat(turn_ids: list[str], partials: dict[str, str]) -> None:

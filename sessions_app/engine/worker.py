@@ -740,9 +740,9 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
     with transaction.atomic():
         # The lock order of every transaction on a session and its turns: the session first
         # (a delete holding it and waiting for this turn's row would otherwise deadlock).
-        store.lock_session_row(session_pk)
-        ended = _end_turn(turn_id, session_pk, outcome)
-        if not ended:
+        message_seq = store.lock_session_row(session_pk)
+        ended = None if message_seq is None else _end_turn(turn_id, session_pk, message_seq, outcome)
+        if message_seq is None or ended is None:
             # Deleted with its session, a retry whose first commit went through, or a turn
             # declared lost while this worker was frozen or cut off: it ended once already,
             # and what its clients were told then is what history keeps (the fence,
@@ -751,11 +751,8 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
                 logger.warning("turn %s finished after it was declared lost; its answer is not kept", turn_id)
             transaction.on_commit(lambda: publish_stop_if_missing(turn_id))
             return True
-        others_waiting, last = ended.others_waiting, ended.last
-        if last is None:
-            return others_waiting
-        first = last - len(outcome.messages) + 1
-        seqs = store.insert_messages(session_pk, first, outcome.messages, turn_id=turn_id)
+        last = message_seq + len(outcome.messages)
+        seqs = list(range(message_seq + 1, last + 1))
         if outcome.compaction is not None:
             apply_compaction(session_pk, last, compacted.then(seqs, outcome.messages), outcome.compaction)
         meta = dict(outcome.stop_meta)
@@ -764,22 +761,23 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
             if outcome.usage_estimated:
                 meta["usage"]["estimated"] = True
         transaction.on_commit(lambda: publish_stop(turn_id, outcome.stop_reason, meta, seq=outcome.last_seq + 1))
-    return others_waiting
+    return ended.others_waiting
 
 
-def _end_turn(turn_id: str, session_pk: int, outcome: host.TurnOutcome) -> store.EndedTurn | None:
-    """running -> done with the outcome's stop reason, error and usage, closed on its session
-    (store.end_turn)."""
+def _end_turn(turn_id: str, session_pk: int, message_seq: int, outcome: host.TurnOutcome) -> store.EndedTurn | None:
+    """running -> done with the outcome's stop reason, error, usage and messages, appended
+    after the session's position `message_seq` (store.end_turn)."""
     return store.end_turn(
         turn_id,
         session_pk,
+        message_seq=message_seq,
+        messages=outcome.messages,
         stop_reason=outcome.stop_reason,
         cancelled=outcome.cancelled,
         error=outcome.error[:500],
         prompt_tokens=outcome.prompt_tokens,
         completion_tokens=outcome.completion_tokens,
         model_calls=outcome.model_calls,
-        added=len(outcome.messages),
         pending_calls=outcome.pending_calls,
         usage_estimated=outcome.usage_estimated,
     )

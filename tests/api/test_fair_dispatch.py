@@ -200,36 +200,46 @@ def test_a_pinned_turn_goes_to_its_worker_until_its_pin_expires():
     assert _taken_in_order([orphan], 1, node="node-other", pin_seconds=-60) == [orphan]  # its holder is gone
 
 
-def test_the_statement_ending_a_turn_closes_it_on_its_session_and_says_whether_others_wait():
+def test_one_statement_ends_a_turn_stores_its_output_and_says_whether_others_wait():
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
     from sessions_app.engine import store
-    from sessions_app.models import Session, Turn
+    from sessions_app.models import Message, Session, Turn
 
     tenant = _tenant()
     (running,) = _turns(tenant, 1, running=True)
     _turns(tenant, 1)
     session_pk = Turn.objects.get(id=running).session_id
     Session.objects.filter(pk=session_pk).update(active_turn_id=running, message_seq=4, prompt_tokens=10)
+    answer = [{"role": "assistant", "content": "one"}, {"role": "assistant", "content": "two"}]
     ending = {
+        "message_seq": 4,
+        "messages": answer,
         "stop_reason": "end_turn",
         "cancelled": False,
         "error": "",
         "prompt_tokens": 7,
         "completion_tokens": 3,
         "model_calls": 1,
-        "added": 2,
         "pending_calls": [],
     }
     with CaptureQueriesContext(connection) as queries:
         ended = store.end_turn(running, session_pk, **ending)
     assert len(queries) == 1, [q["sql"] for q in queries]
-    assert ended == store.EndedTurn(others_waiting=True, last=6)
+    assert ended == store.EndedTurn(others_waiting=True)
     turn, session = Turn.objects.get(id=running), Session.objects.get(pk=session_pk)
     assert (turn.status, turn.output_seq, turn.prompt_tokens) == (Turn.DONE, 5, 7)  # its output starts at 5
     assert (session.active_turn_id, session.message_seq, session.prompt_tokens) == (None, 6, 17)
+    stored = Message.objects.filter(session_id=session_pk, turn_id=running).order_by("kind", "seq")
+    assert [(m.kind, m.seq, m.data) for m in stored] == [
+        (kind, seq, store.dumps(message))
+        for kind in sorted([Message.COMPACTED, Message.FULL])
+        for seq, message in zip((5, 6), answer)
+    ]
+    assert store.turn_output(running, session_pk, turn.output_seq) == answer
     # Ended once: a second ending finds it no longer running and writes nothing.
     assert store.end_turn(running, session_pk, **ending) is None
     session = Session.objects.get(pk=session_pk)
     assert (session.message_seq, session.prompt_tokens) == (6, 17)
+    assert Message.objects.filter(session_id=session_pk, turn_id=running).count() == 4
