@@ -138,3 +138,54 @@ def test_a_follower_goes_on_reading_after_a_full_round(monkeypatch):
 
     assert asyncio.run(asyncio.wait_for(followed(), 5)) == stream
     assert max(asked) <= 16, asked  # large entries: small rounds
+
+
+def test_a_follower_does_not_read_again_for_events_its_read_already_gave(monkeypatch):
+    """Events published while the first read runs come in that read and in their
+    publication: the wake-up they leave is no sign of anything missing (no second read). A
+    wake-up that brings no event at all (the hub reconnected) is: the stream is read again."""
+    import asyncio
+    import contextlib
+
+    from sessions_app.engine import events
+    from sessions_app.engine.events.base import Entries, Watcher
+
+    start, a, stop = (
+        {"event": "turn_start"},
+        {"event": "text_delta", "delta": "a"},
+        {"event": "turn_stop", "stopReason": "end_turn"},
+    )
+    reads: list[int] = []
+
+    class PublishedDuringTheRead:
+        def __init__(self, reconnect: bool):
+            self.reconnect = reconnect
+            self.watcher = Watcher()
+
+        @contextlib.asynccontextmanager
+        async def watch(self, turn_id):
+            yield self.watcher
+
+        async def read_now(self, turn_id, after, count):
+            reads.append(after)
+            if after == 0:
+                self.watcher.deliver([(2, a)])  # published while the read ran: the read has it too
+                asyncio.get_running_loop().call_later(0.05, self.watcher.deliver, [(3, stop)])
+                if self.reconnect:
+                    self.watcher.wake.set()  # ... and the hub reconnected meanwhile
+                    self.watcher.pushed.clear()
+                return Entries([(1, start), (2, a)])
+            return Entries([])
+
+        async def last(self, turn_id):
+            return None
+
+    async def followed(backend):
+        monkeypatch.setattr(events, "backend", lambda: backend)
+        return [item async for item in events.follow("turn_unit", quiet_seconds=30)]
+
+    assert asyncio.run(asyncio.wait_for(followed(PublishedDuringTheRead(False)), 5)) == [(1, start), (2, a), (3, stop)]
+    assert reads == [0]
+    reads.clear()
+    assert asyncio.run(asyncio.wait_for(followed(PublishedDuringTheRead(True)), 5)) == [(1, start), (2, a), (3, stop)]
+    assert reads == [0, 2]  # positive control: a wake-up without events reads again
