@@ -13,7 +13,7 @@ from rest_framework.views import APIView
 from agents.selectors import agent_info, agents_for_tenant
 from infra.service_errors import BadRequest, NotFound
 from sessions_app.engine import events
-from sessions_app.engine.stream import turn_response
+from sessions_app.engine.stream import chosen_turn_id, turn_response
 from tenancy.authentication import (
     BearerTokenAuthentication,
     EventsTicketAuthentication,
@@ -158,7 +158,11 @@ class TurnsView(APIView):
         check_request_size(request.data, seed=False)
         data = validated(protocol.TurnRequestSerializer, request.data)
         turn = turns.turn_start(
-            tenant=request.user.tenant, session_id=session_id, data=data, idempotency=idempotency(request)
+            tenant=request.user.tenant,
+            session_id=session_id,
+            data=data,
+            idempotency=idempotency(request),
+            turn_id=chosen_turn_id(request),
         )
         response = turn_response(turn.id, turn.stream, token_id=request.user.token.pk)
         response["AAP-Events-Ticket"] = turn_events_ticket(request.user.token, session_id, turn.id)

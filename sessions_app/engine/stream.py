@@ -15,7 +15,9 @@ client tells waiting from thinking.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import re
 import time
 
 from django.conf import settings
@@ -26,6 +28,7 @@ from infra.handlers import on_web_threads
 from infra.outages import DB_ERRORS, OUTAGE_ERRORS
 from tenancy.authentication import token_is_active
 
+from ..models import new_turn_id
 from ..protocol import SSE_PING, dumps, event_data, fold, sse_frame
 from . import events, queue, recovery, store
 
@@ -86,10 +89,12 @@ class _Beside:
             self._task = None
 
 
-async def _follow(turn_id: str, after: int, token_id: int | None = None):
+async def _follow(turn_id: str, after: int, token_id: int | None = None, watching: events.Watcher | None = None):
     """Events of the turn, with QUIET markers at most every LIVENESS_CHECK_SECONDS; ends
     with REVOKED once the stream's token is no longer valid (checked as often). Across
-    failures of the event source: QUIET markers while it retries, then StreamInterrupted."""
+    failures of the event source: QUIET markers while it retries, then StreamInterrupted.
+    `watching`: the turn's watcher since before its first event (events.follow); a retry
+    after a failure watches and reads anew."""
     quiet = min(LIVENESS_CHECK_SECONDS, settings.AAP_SSE_PING_SECONDS)
     checked = time.monotonic()
     failing_since: float | None = None
@@ -98,7 +103,7 @@ async def _follow(turn_id: str, after: int, token_id: int | None = None):
     try:
         while True:
             try:
-                async for item in events.follow(turn_id, after, quiet_seconds=quiet):
+                async for item in events.follow(turn_id, after, quiet_seconds=quiet, watching=watching):
                     failing_since = None
                     if token_id is not None and time.monotonic() - checked >= LIVENESS_CHECK_SECONDS:
                         valid = await active.answer(token_id, patient=item is events.QUIET)
@@ -120,6 +125,7 @@ async def _follow(turn_id: str, after: int, token_id: int | None = None):
             except StreamInterrupted:
                 raise
             except OUTAGE_ERRORS as exc:  # Redis or PostgreSQL unreachable: retry, pinging meanwhile
+                watching = None
                 now = time.monotonic()
                 if failing_since is None:
                     failing_since = now
@@ -167,7 +173,13 @@ async def _rest_from_history(turn_id: str, cursor: store.FoldCursor | None, mode
         yield sse_frame(offset, event)
 
 
-async def sse_stream(turn_id: str, after: int = 0, token_id: int | None = None, mode: str = "delta"):
+async def sse_stream(
+    turn_id: str,
+    after: int = 0,
+    token_id: int | None = None,
+    mode: str = "delta",
+    watching: events.Watcher | None = None,
+):
     last_write = time.monotonic()
     waiting = after <= 1  # until the turn shows it started (a worker took it)
     # Where the events sent leave the reader, while they are every event from the first: if
@@ -175,7 +187,7 @@ async def sse_stream(turn_id: str, after: int = 0, token_id: int | None = None, 
     cursor: store.FoldCursor | None = store.FoldCursor() if after <= 1 else None
     queued = _Beside(_still_queued)
     try:
-        async for item in _follow(turn_id, after, token_id):
+        async for item in _follow(turn_id, after, token_id, watching):
             if item is REVOKED:
                 yield f": {REVOKED_SENTENCE}\n\n".encode()
                 return
@@ -222,14 +234,14 @@ async def _stored_result_or_none(turn_id: str) -> dict | None:
         return None
 
 
-async def json_result(turn_id: str, token_id: int | None = None):
+async def json_result(turn_id: str, token_id: int | None = None, watching: events.Watcher | None = None):
     """The `stream: "none"` body. Leading blanks keep idle connections open (valid JSON)."""
     collected: list[dict] = []
     stop: dict = {}
     last_write = time.monotonic()
     last_seq, whole = 0, True  # whole: every event from the first was seen, none skipped
     try:
-        async for item in _follow(turn_id, 0, token_id):
+        async for item in _follow(turn_id, 0, token_id, watching):
             if item is REVOKED:
                 yield dumps({"error": REVOKED_SENTENCE}).encode()
                 return
@@ -283,10 +295,33 @@ def turn_response(turn_id: str, mode: str, *, after: int = 0, token_id: int | No
     return response
 
 
+# Requests that start a turn (by method): the hand-off chooses the new turn's id and watches
+# its events before the view runs, so its stream starts with no read of what came before.
+_STARTS_A_TURN = {
+    "POST": re.compile(r"/v1/sessions/[^/]+/turns|/v2/session/[^/]+"),
+    "PUT": re.compile(r"/v2/session"),
+}
+# Where the chosen id travels to the view, in the request's ASGI scope (never from the client).
+CHOSEN_TURN_ID = "aap.turn_id"
+
+
+def chosen_turn_id(request) -> str | None:
+    """The id TurnStreamHandoff chose for the turn this request starts (its events are watched
+    already); None when it chose none (another request, or Redis refused the watch)."""
+    scope = getattr(request, "scope", None)
+    return scope.get(CHOSEN_TURN_ID) if isinstance(scope, dict) else None
+
+
+def _authorized(scope) -> bool:
+    """The request carries credentials (a turn is started with a bearer token)."""
+    return any(name == b"authorization" for name, _ in scope.get("headers", ()))
+
+
 class TurnStreamHandoff:
     """ASGI middleware: when a view hands a turn over (HANDOFF_HEADER), send the response
     head without that header, then the turn's body from the event stream, until its end or
-    until the client disconnects (the turn itself goes on)."""
+    until the client disconnects (the turn itself goes on). For a request that starts a
+    turn, the turn's events are watched from before the view runs (chosen_turn_id)."""
 
     def __init__(self, app):
         self.app = app
@@ -294,6 +329,19 @@ class TurnStreamHandoff:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        starts = _STARTS_A_TURN.get(scope.get("method", ""))
+        if starts is None or not starts.fullmatch(scope.get("path", "")) or not _authorized(scope):
+            return await self._serve(scope, receive, send)
+        turn_id = new_turn_id()
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                watcher = await stack.enter_async_context(events.backend().watch(turn_id))
+            except Exception:  # a shortcut's boundary: the stream watches and reads after the view instead
+                logger.warning("could not watch the events of a new turn ahead", exc_info=True)
+                return await self._serve(scope, receive, send)
+            await self._serve({**scope, CHOSEN_TURN_ID: turn_id}, receive, send, (turn_id, watcher))
+
+    async def _serve(self, scope, receive, send, watched: tuple[str, events.Watcher] | None = None) -> None:
         marker = HANDOFF_HEADER.lower().encode()
         handoff: dict = {}
 
@@ -311,12 +359,18 @@ class TurnStreamHandoff:
 
         await self.app(scope, receive, capture)
         if handoff:
-            await self._stream(handoff, receive, send)
+            await self._stream(handoff, receive, send, watched)
 
-    async def _stream(self, handoff: dict, receive, send) -> None:
+    async def _stream(self, handoff: dict, receive, send, watched: tuple[str, events.Watcher] | None) -> None:
         turn_id, mode, after, token = handoff["spec"].split(" ")
         token_id = int(token) or None
-        body = json_result(turn_id, token_id) if mode == "none" else sse_stream(turn_id, int(after), token_id, mode)
+        # The watcher of the chosen id, if the view started that turn (a replayed request
+        # answers with the turn it started before).
+        ahead = watched[1] if watched is not None and watched[0] == turn_id and after == "0" else None
+        if mode == "none":
+            body = json_result(turn_id, token_id, ahead)
+        else:
+            body = sse_stream(turn_id, int(after), token_id, mode, ahead)
         if metrics.enabled():  # a layer per chunk: only when the metrics are read
             body = metrics.relayed(body, mode=mode, after=int(after))
         await send(handoff["start"])

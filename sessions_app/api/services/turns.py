@@ -27,15 +27,23 @@ from .validation import (
 )
 
 
-def turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, str] | None = None) -> Turn:
+def turn_start(
+    *,
+    tenant,
+    session_id: str,
+    data: dict,
+    idempotency: tuple[str, str] | None = None,
+    turn_id: str | None = None,
+) -> Turn:
     """Validate a turn against the session, store its incoming messages, enqueue it.
 
     Raises BadRequest (400), NotFound (404), Conflict (409, a turn is running) or a Redis
     error (503: nothing is stored). Returns the new turn (not read back from the database),
     or, for a retry with the same `idempotency` key and request, the turn it started.
+    `turn_id`: the new turn's id, chosen by the caller (stream.chosen_turn_id), else a new one.
     """
     created, row = idempotency_keys.create_once(
-        lambda: _turn_start(tenant=tenant, session_id=session_id, data=data, idempotency=idempotency),
+        lambda: _turn_start(tenant=tenant, session_id=session_id, data=data, idempotency=idempotency, turn_id=turn_id),
         tenant,
         idempotency,
     )
@@ -50,6 +58,7 @@ def session_open(
     tools: list[dict] | None,
     turn: dict,
     idempotency: tuple[str, str] | None = None,
+    turn_id: str | None = None,
 ) -> tuple[str, Turn]:
     """Create a session from `seed` and start its first turn (`turn`: a turn request) in one
     transaction, so a refused turn leaves no session behind (the v2-era `PUT /session`).
@@ -65,7 +74,9 @@ def session_open(
             session = sessions.session_create_in_transaction(
                 tenant=tenant, agent_config=agent_config, messages=seed, tools=tools
             )
-            started = _turn_start(tenant=tenant, session_id=session.public_id, data=turn, idempotency=idempotency)
+            started = _turn_start(
+                tenant=tenant, session_id=session.public_id, data=turn, idempotency=idempotency, turn_id=turn_id
+            )
             return session.public_id, started
 
     created, row = idempotency_keys.create_once(create, tenant, idempotency)
@@ -79,7 +90,9 @@ def _replayed_turn(row: IdempotencyKey) -> Turn:
     return turn
 
 
-def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, str] | None) -> Turn:
+def _turn_start(
+    *, tenant, session_id: str, data: dict, idempotency: tuple[str, str] | None, turn_id: str | None = None
+) -> Turn:
     with transaction.atomic():
         session = _lock_session(tenant, session_id)
         row = idempotency_keys.replayed(tenant, idempotency)
@@ -115,7 +128,7 @@ def _turn_start(*, tenant, session_id: str, data: dict, idempotency: tuple[str, 
 
         tool_messages, permissions = answers_for_pending(session.pending_calls, messages)
         admission.admit_turn(tenant=tenant)  # 429 at a tenant limit; nothing is stored then
-        turn = Turn(id=new_turn_id(), session_id=session.pk, stream=mode, permissions=permissions)
+        turn = Turn(id=turn_id or new_turn_id(), session_id=session.pk, stream=mode, permissions=permissions)
         # Permission answers go to the worker holding the prompt that waits on them (ACP).
         node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
         room = None if node or mode == "none" else queue.room_for(turn.id, tenant)

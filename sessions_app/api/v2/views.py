@@ -14,7 +14,7 @@ from rest_framework.views import APIView
 from infra.errors import json_error
 from infra.service_errors import BadRequest
 from sessions_app import protocol
-from sessions_app.engine.stream import HANDOFF_HEADER, turn_response
+from sessions_app.engine.stream import HANDOFF_HEADER, chosen_turn_id, turn_response
 from tenancy.authentication import turn_events_ticket
 
 from .. import selectors
@@ -73,7 +73,10 @@ class SessionCreateView(APIView):
         check_request_size(request.data, seed=True)
         data = v3.validated(shapes.V2CreateSessionSerializer, request.data)
         session_id, turn = turns.session_open(
-            tenant=request.user.tenant, **shapes.create_request_to_v3(data), idempotency=v3.idempotency(request)
+            tenant=request.user.tenant,
+            **shapes.create_request_to_v3(data),
+            idempotency=v3.idempotency(request),
+            turn_id=chosen_turn_id(request),
         )
         return _started(request, session_id, turn, created=True)
 
@@ -101,6 +104,7 @@ class SessionView(APIView):
             session_id=session_id,
             data=shapes.turn_request_to_v3(data),
             idempotency=v3.idempotency(request),
+            turn_id=chosen_turn_id(request),
         )
         return _started(request, session_id, turn)
 

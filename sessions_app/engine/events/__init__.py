@@ -13,16 +13,17 @@ session or its history, which live in PostgreSQL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from functools import cache
 
 from infra import redis_connections
 
-from .base import MIN_COUNT, StreamEnded, next_count
+from .base import MIN_COUNT, StreamEnded, Watcher, next_count
 from .memory import MemoryEvents
 from .redis import RedisEvents
 
-__all__ = ["QUIET", "StreamEnded", "backend", "follow", "last_seq_sync", "unreachable"]
+__all__ = ["QUIET", "StreamEnded", "Watcher", "backend", "follow", "last_seq_sync", "unreachable"]
 
 
 @cache
@@ -49,11 +50,15 @@ def last_seq_sync(turn_id: str) -> int:
 QUIET = None  # what follow() yields when nothing happened for a while
 
 
-async def follow(turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0) -> AsyncIterator[tuple[int, dict] | None]:
+async def follow(
+    turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0, watching: Watcher | None = None
+) -> AsyncIterator[tuple[int, dict] | None]:
     """Every event of the turn after `after`, live, until its `turn_stop`.
 
     Yields QUIET when `quiet_seconds` pass with no event, so the caller can ping the client
-    and check that the turn is still alive.
+    and check that the turn is still alive. `watching`: the turn's watcher, opened (by the
+    caller, who closes it) before its first event was published: the events come from it
+    alone, with no read of the stream to start.
     """
     events = backend()
 
@@ -62,15 +67,17 @@ async def follow(turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0) ->
         last = await events.last(turn_id)
         return last is not None and last[0] <= after and last[1].get("event") == "turn_stop"
 
-    async with events.watch(turn_id) as watcher:
+    async with contextlib.AsyncExitStack() as stack:
+        watcher: Watcher = watching if watching is not None else await stack.enter_async_context(events.watch(turn_id))
         if after and await reader_has_the_stop():
             return
-        read = True  # the stream is read to replay, to fill a gap, and when woken without events
+        # The stream is read to replay, to fill a gap, and when woken without events.
+        read = watching is None
         count = MIN_COUNT  # entries per read, grown while they are small (base.next_count)
         while True:
             woken = watcher.wake.is_set()
             watcher.wake.clear()  # before reading: a publication during the read is not lost
-            # A wake-up without events: the hub reconnected, or the in-memory backend. (With
+            # A wake-up without events: the hub reconnected. (With
             # events all read already, by the read that ran while they were published, it
             # is not: nothing is missing then.)
             delivered = bool(watcher.pushed)

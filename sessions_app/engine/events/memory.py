@@ -59,7 +59,7 @@ class MemoryEvents:
                 self._prune()
             waiters = list(log.waiters)
         for loop, watcher in waiters:
-            loop.call_soon_threadsafe(watcher.wake.set)
+            loop.call_soon_threadsafe(watcher.deliver, [(seq, event)])
 
     async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]], *, expire: bool = True) -> None:
         for seq, event in batch:
@@ -83,6 +83,8 @@ class MemoryEvents:
                 log = self._logs.get(turn_id)
                 if log is not None and waiter in log.waiters:
                     log.waiters.remove(waiter)
+                if log is not None and not log.waiters and not log.events:
+                    del self._logs[turn_id]  # watched ahead for a turn that was never started
 
     def read_all_sync(self, turn_id: str) -> list[tuple[int, dict]]:
         with self._lock:
