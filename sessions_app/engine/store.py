@@ -401,14 +401,9 @@ def end_turn(
         sql = f"WITH ended AS ({end}), closed AS ({close} AND EXISTS (SELECT 1 FROM ended))"
         params = [*end_params, *close_params]
         if rows:
-            values = ", ".join(
-                ["(%s::bigint, %s::varchar, %s::bigint, %s::varchar, %s::text, %s::varchar)"] * len(rows)
-            )
-            sql += (
-                f", added AS (INSERT INTO {M} (session_id, kind, seq, role, data, turn_id) "
-                f"SELECT * FROM (VALUES {values}) AS v WHERE EXISTS (SELECT 1 FROM ended))"
-            )
-            params += [value for row in rows for value in row]
+            rows_sql, rows_params = _message_insert(rows, when="EXISTS (SELECT 1 FROM ended)")
+            sql += f", added AS ({rows_sql})"
+            params += rows_params
         cursor.execute(f"{sql} SELECT others_waiting FROM ended", params)
         row = cursor.fetchone()
     return EndedTurn(bool(row[0])) if row else None
@@ -464,12 +459,16 @@ def insert_messages(
     return [first_seq + offset for offset in range(len(messages))]
 
 
-def _message_insert(batch: list[tuple]) -> tuple[str, list]:
-    values = ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(batch))
-    return (
-        f"INSERT INTO {M} (session_id, kind, seq, role, data, turn_id) VALUES {values}",
-        [value for row in batch for value in row],
-    )
+def _message_insert(batch: list[tuple], *, when: str = "") -> tuple[str, list]:
+    """The INSERT of message rows, with its parameters; `when`: a condition the rows are
+    inserted on (inside a statement whose other writes decide it)."""
+    params = [value for row in batch for value in row]
+    columns = f"INSERT INTO {M} (session_id, kind, seq, role, data, turn_id)"
+    if not when:
+        return f"{columns} VALUES {', '.join(['(%s, %s, %s, %s, %s, %s)'] * len(batch))}", params
+    # Typed: a VALUES list under SELECT takes its types from its values, not from the columns.
+    values = ", ".join(["(%s::bigint, %s::varchar, %s::bigint, %s::varchar, %s::text, %s::varchar)"] * len(batch))
+    return f"{columns} SELECT * FROM (VALUES {values}) AS v WHERE {when}", params
 
 
 def insert_message_rows(rows: list[tuple]) -> None:
