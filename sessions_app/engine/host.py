@@ -98,13 +98,10 @@ class RunningTurns:
         if listener is not None:
             listener.get_loop().call_soon_threadsafe(listener.cancel)
 
-    def expect(self, turn_id: str, *, cancelled: bool = False) -> None:
-        """A turn this worker claimed and will run: a cancel heard before it runs is kept for
-        it (`cancelled`: one was requested while it waited)."""
-        if cancelled:
-            self._expected[turn_id] = True
-        else:
-            self._expected.setdefault(turn_id, False)  # never unsets a cancel heard meanwhile
+    def expect(self, turn_id: str) -> None:
+        """A turn this worker claimed and will run: a cancel heard before it runs (`cancel`)
+        is kept for it."""
+        self._expected.setdefault(turn_id, False)  # never unsets a cancel heard meanwhile
 
     def add(self, turn_id: str, task: asyncio.Task | None, publisher: _Publisher) -> bool:
         """The turn runs now (on the runtime loop); whether it was cancelled before it ran."""

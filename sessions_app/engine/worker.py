@@ -666,7 +666,8 @@ def turn_execute(
     running.expect(turn_id)
     try:
         # The Redis lease backs up the PostgreSQL heartbeat.
-        running.expect(turn_id, cancelled=events.backend().take_lease_sync(turn_id))
+        if events.backend().take_lease_sync(turn_id):
+            running.cancel(turn_id)
     except Exception:  # the lease is a backup: the turn runs without it (a cancel was refused with 503)
         logger.warning("no Redis lease for turn %s; its heartbeat stands alone", turn_id, exc_info=True)
     metrics.turn_claimed(claimed.waited)
