@@ -9,6 +9,7 @@ import logging
 import re
 from collections import OrderedDict
 
+import aiohttp
 import httpx
 import httpx2
 import openai
@@ -141,6 +142,24 @@ def log_failure(
     )
 
 
+def timed_out(exc: BaseException) -> bool:
+    """The provider did not answer, or stopped sending, within the timeout.
+
+    The SDK's aiohttp client (operator endpoints, `Clients`) reports every closed or refused
+    connection as a timeout: its transport maps each `aiohttp.ClientConnectionError` to
+    httpx2's `ConnectTimeout`, so a refused connection or a server that hung up arrives as
+    `APITimeoutError`. The aiohttp error it was raised from says what happened
+    (tests/unit/test_openai_errors.py pins that mapping)."""
+    if not isinstance(exc, openai.APITimeoutError):
+        return False
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, aiohttp.ClientConnectionError) and not isinstance(cause, asyncio.TimeoutError):
+            return False  # refused, reset or closed: not a timeout
+        cause = cause.__cause__
+    return True
+
+
 def safe_error(exc: BaseException, timeout: float, *, streaming: bool = False) -> str:
     """A sentence about a provider failure that is safe to show: status and kind only.
 
@@ -150,7 +169,7 @@ def safe_error(exc: BaseException, timeout: float, *, streaming: bool = False) -
     """
     if isinstance(exc, StreamFailed):
         return exc.sentence
-    if isinstance(exc, openai.APITimeoutError):
+    if timed_out(exc):
         if streaming:
             return f"The model provider stopped sending its answer for {timeout:g} seconds (timeout)."
         return f"The model provider did not answer within {timeout:g} seconds (timeout)."
@@ -179,15 +198,17 @@ def safe_error(exc: BaseException, timeout: float, *, streaming: bool = False) -
 class Clients:
     """The process's model clients, on the loop runtimes run on.
 
-    One httpx connection pool for operator endpoints and one guarded pool for endpoints an
-    application chose (every request, redirects too, checked and pinned). The SDK client of
+    One connection pool for operator endpoints, on aiohttp (the SDK's `DefaultAioHttpClient`:
+    its C parser and asyncio-native streams cost a worker about a quarter less CPU per turn
+    than httpx2's transport, docs/performance.md), and one guarded httpx2 pool for endpoints
+    an application chose (every request, redirects too, checked and pinned: agents/netguard.py). The SDK client of
     an endpoint (base URL, key, timeout, retries) is built once and kept, least recently
     used first out: a turn never builds one (building one costs more than the request it sends).
     """
 
     def __init__(self):
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pools: dict[bool, openai.DefaultAsyncHttpxClient] = {}
+        self._pools: dict[bool, httpx2.AsyncClient] = {}
         self._clients: OrderedDict[tuple, openai.AsyncOpenAI] = OrderedDict()
 
     def get(
@@ -206,7 +227,7 @@ class Clients:
             pool = (
                 openai.DefaultAsyncHttpxClient(transport=GuardedTransport())
                 if guarded
-                else openai.DefaultAsyncHttpxClient()
+                else openai.DefaultAioHttpClient()
             )
             self._pools[guarded] = pool
         client = openai.AsyncOpenAI(

@@ -37,6 +37,7 @@ from .client import (
     is_overflow,
     log_failure,
     safe_error,
+    timed_out,
 )
 from .compaction import compact, prompt_size
 from .conversion import CHARS_PER_TOKEN, ChatBuilder, function_tools, parse_arguments, text_of, to_chat
@@ -282,7 +283,7 @@ class OpenAIRuntime(Runtime):
                 if reply.text or reply.thinking:
                     sentence += " The text so far is kept."
                 log_failure(turn.ctx, exc, sentence, api_key=turn.api_key)
-                retry = reply.opened and not reply.shown and not isinstance(exc, openai.APITimeoutError)
+                retry = reply.opened and not reply.shown and not timed_out(exc)
                 if retry and attempt < turn.retries:
                     attempt += 1
                     continue
