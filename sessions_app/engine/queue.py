@@ -47,27 +47,29 @@ _WAITING = waiting("t")
 _IN_FLIGHT = f"t.status = '{Turn.RUNNING}'"
 
 
-def room_counts(turn_id: str, tenant_id: int, workers_seen_since: datetime) -> tuple[int, int, int, int]:
-    """(in flight, waiting, this tenant's in flight, worker slots) in one statement; turn
-    `turn_id` (about to be stored) is left out of the waiting ones."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT COALESCE(SUM(CASE WHEN t.status = %s THEN 1 ELSE 0 END), 0), "
-            f"COALESCE(SUM(CASE WHEN t.status = %s AND t.id <> %s THEN 1 ELSE 0 END), 0), "
-            f"COALESCE(SUM(CASE WHEN t.status = %s AND s.tenant_id = %s THEN 1 ELSE 0 END), 0), "
-            f"(SELECT COALESCE(SUM(concurrency), 0) FROM {W} WHERE seen_at >= %s) "
-            f"FROM {T} t JOIN {S} s ON s.id = t.session_id WHERE {_ACTIVE}",
-            [
-                Turn.RUNNING,
-                Turn.QUEUED,
-                turn_id,
-                Turn.RUNNING,
-                tenant_id,
-                connection.ops.adapt_datetimefield_value(workers_seen_since),
-            ],
-        )
-        row = cursor.fetchone()
-    return tuple(int(value or 0) for value in row)  # type: ignore[return-value]
+def room_query(turn_id: str, tenant_id: int, workers_seen_since: datetime) -> tuple[str, list]:
+    """SQL and its parameters for one row: (in flight, waiting, this tenant's in flight, this
+    tenant's waiting, worker slots); turn `turn_id` (about to be stored) is left out of the
+    waiting ones. store.start_turn reads it in the statement that stores the turn."""
+    return (
+        f"SELECT COALESCE(SUM(CASE WHEN t.status = %s THEN 1 ELSE 0 END), 0), "
+        f"COALESCE(SUM(CASE WHEN t.status = %s AND t.id <> %s THEN 1 ELSE 0 END), 0), "
+        f"COALESCE(SUM(CASE WHEN t.status = %s AND s.tenant_id = %s THEN 1 ELSE 0 END), 0), "
+        f"COALESCE(SUM(CASE WHEN t.status = %s AND t.id <> %s AND s.tenant_id = %s THEN 1 ELSE 0 END), 0), "
+        f"(SELECT COALESCE(SUM(concurrency), 0) FROM {W} WHERE seen_at >= %s) "
+        f"FROM {T} t JOIN {S} s ON s.id = t.session_id WHERE {_ACTIVE}",
+        [
+            Turn.RUNNING,
+            Turn.QUEUED,
+            turn_id,
+            Turn.RUNNING,
+            tenant_id,
+            Turn.QUEUED,
+            turn_id,
+            tenant_id,
+            connection.ops.adapt_datetimefield_value(workers_seen_since),
+        ],
+    )
 
 
 def slots_in_use() -> tuple[int, int]:
@@ -229,7 +231,7 @@ def worker_stale_seconds() -> float:
 def capacity(counted: int | None = None) -> int:
     """How many turns the workers run at once: the threads of this process in the embedded
     mode, else the concurrency of every worker alive according to its heartbeat (`counted`:
-    already read with the turns, `room_counts`)."""
+    already read with the turns, `room_query`)."""
     if not settings.REDIS_URL:
         return settings.AAP_EMBEDDED_WORKERS
     if counted is not None:
@@ -239,11 +241,12 @@ def capacity(counted: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class Room:
-    """The worker slots as a just-stored turn finds them (`room_for`)."""
+    """The worker slots as a just-stored turn finds them (`RoomQuery`)."""
 
     in_flight: int  # turns holding, or about to hold, a worker slot
     waiting: int  # other turns waiting for one
     tenant_in_flight: int  # of in_flight, this turn's tenant's
+    tenant_waiting: int  # of waiting, this turn's tenant's
     capacity: int  # slots of the workers alive
     tenant_limit: int  # the tenant's running-turns limit (0: none)
 
@@ -258,24 +261,58 @@ class Room:
         under_limit = not self.tenant_limit or self.tenant_in_flight < self.tenant_limit
         return not self.waiting and self.free > 0 and under_limit
 
+    def place(self) -> dict | None:
+        """`queued_place` of the turn, when every other waiting turn is its tenant's: the fair
+        order keeps a tenant's turns in the order they came, so it comes after them all, and
+        no statement is needed to say where it stands. Only then (`tenant_waiting == waiting`)."""
+        index = self.waiting  # 0-based: the others all go first
+        n = self.tenant_waiting + 1  # the tenant's n-th waiting turn (fair_order's w.n)
+        may_start = not self.tenant_limit or self.tenant_in_flight + n <= self.tenant_limit
+        return _place(index, may_start, max(0, self.free))
 
-def room_for(turn_id: str, tenant) -> Room:
-    """Inside turn_start's transaction, before the turn is stored, in one statement: whether
+
+@dataclass(frozen=True)
+class RoomQuery:
+    """How a turn about to be stored finds the worker slots: one row of counts that
+    store.start_turn reads in the statement that stores the turn (`read`), then `room`."""
+
+    sql: str
+    params: list
+    tenant_limit: int
+
+    def room(self, row) -> Room:
+        in_flight, waiting, tenant_in_flight, tenant_waiting, slots = (int(value or 0) for value in row)
+        return Room(in_flight, waiting, tenant_in_flight, tenant_waiting, capacity(slots), self.tenant_limit)
+
+
+def room_for(turn_id: str, tenant) -> RoomQuery:
+    """Inside turn_start's transaction, before the turn is stored: the counts that say whether
     it will wait for a slot, and where it stands then (`queued_place`)."""
     since = timezone.now() - timedelta(seconds=worker_stale_seconds())
-    in_flight, waiting, tenant_in_flight, slots = room_counts(turn_id, tenant.pk, since)
+    sql, params = room_query(turn_id, tenant.pk, since)
     limit = getattr(tenant, "max_running_turns", None)
     if limit is None:
         limit = settings.AAP_TENANT_MAX_RUNNING_TURNS
-    return Room(in_flight, waiting, tenant_in_flight, capacity(slots), limit or 0)
+    return RoomQuery(sql, params, limit or 0)
+
+
+def _place(index: int, may_start: bool, free: int) -> dict | None:
+    """The place of the turn at `index` (0-based) of the fair order with `free` slots free."""
+    if not may_start:
+        return {"position": max(1, index + 1 - free)}  # its tenant runs all it may: it waits for one of those
+    position = index + 1 - free
+    return {"position": position} if position > 0 else None
 
 
 def queued_place(turn_id: str, room: Room | None = None) -> dict | None:
     """`{"position": n}` while the turn waits for a worker slot (n = 1: it takes the next one
     that frees, or the next its tenant may take), None once a slot is free for it, or it
     runs or is over. Also right after the turn is stored, inside its transaction, for
-    `turn_start._meta.queued` (with the `room` it found before it was stored)."""
+    `turn_start._meta.queued` (with the `room` it found before it was stored: when all the
+    turns waiting are its tenant's, `Room.place` says it without a statement)."""
     if room is not None:
+        if room.tenant_waiting == room.waiting:
+            return room.place()
         in_flight, waiting, free = room.in_flight, room.waiting + 1, max(0, room.free)
     else:
         in_flight, waiting = slots_in_use()
@@ -286,10 +323,7 @@ def queued_place(turn_id: str, room: Room | None = None) -> dict | None:
     index = next((i for i, (waiting_id, _) in enumerate(order) if waiting_id == turn_id), None)
     if index is None:
         return None
-    if not order[index][1]:
-        return {"position": max(1, index + 1 - free)}  # its tenant runs all it may: it waits for one of those
-    position = index + 1 - free
-    return {"position": position} if position > 0 else None
+    return _place(index, order[index][1], free)
 
 
 # --- the queue as Prometheus gauges -----------------------------------------------------------

@@ -211,7 +211,8 @@ def start_turn(
     session_fields: dict,
     node: str = "",
     trace_parent: str = "",
-) -> None:
+    read: tuple[str, list] | None = None,
+) -> tuple | None:
     """Store a new queued turn with the messages it brings (full and compacted history, at
     `first_seq`, `first_seq` + 1...) and the session's changes (`session_fields`, columns of
     the session). `node`: the worker that must run it (it holds the prompt the turn answers),
@@ -220,7 +221,10 @@ def start_turn(
     On PostgreSQL one statement does all three (its data-modifying CTEs), and it notifies
     WAKE_CHANNEL, which the workers hear when the transaction commits (never before, never
     for a turn rolled back): payload `wake_payload(queue, node)`. The caller holds the
-    session's lock (lock_session), so the statement sees the session as it is."""
+    session's lock (lock_session), so the statement sees the session as it is.
+
+    `read`: a query (SQL, parameters) of one row, read as the database was before the turn
+    was stored; its row is returned (on PostgreSQL, from the same statement)."""
     insert = (
         f"INSERT INTO {T} (id, session_id, status, stream, stop_reason, cancelled, permissions, error, "
         f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq, pinned_node, trace_parent, "
@@ -241,7 +245,11 @@ def start_turn(
     rows = _message_rows(session_pk, first_seq, messages, turn_id=turn_id)
     update, update_params = _session_update(session_pk, session_fields)
     if connection.vendor != "postgresql" or len(rows) > INSERT_BATCH:
+        found = None
         with connection.cursor() as cursor:
+            if read is not None:
+                cursor.execute(*read)
+                found = cursor.fetchone()
             cursor.execute(insert, params)
         insert_message_rows(rows)
         with connection.cursor() as cursor:
@@ -249,7 +257,7 @@ def start_turn(
         if connection.vendor == "postgresql":
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_notify(%s, %s)", [WAKE_CHANNEL, wake_payload(settings.AAP_TURN_QUEUE, node)])
-        return
+        return found
     ctes = [f"stored AS ({insert} RETURNING 1)"]
     if rows:
         rows_sql, rows_params = _message_insert(rows)
@@ -257,11 +265,19 @@ def start_turn(
         params += rows_params
     ctes.append(f"moved AS ({update})")
     params += update_params
+    select, source = "pg_notify(%s, %s)", "stored"
+    if read is not None:
+        # Every part of one statement sees the database as it was when the statement began.
+        ctes.append(f"seen AS ({read[0]})")
+        params += read[1]
+        select, source = f"{select}, seen.*", "stored, seen"
     with connection.cursor() as cursor:
         cursor.execute(
-            f"WITH {', '.join(ctes)} SELECT pg_notify(%s, %s) FROM stored",
+            f"WITH {', '.join(ctes)} SELECT {select} FROM {source}",
             [*params, WAKE_CHANNEL, wake_payload(settings.AAP_TURN_QUEUE, node)],
         )
+        found = cursor.fetchone()
+    return tuple(found[1:]) if read is not None and found is not None else None
 
 
 @dataclass

@@ -243,3 +243,48 @@ def test_one_statement_ends_a_turn_stores_its_output_and_says_whether_others_wai
     session = Session.objects.get(pk=session_pk)
     assert (session.message_seq, session.prompt_tokens) == (6, 17)
     assert Message.objects.filter(session_id=session_pk, turn_id=running).count() == 4
+
+
+@pytest.mark.parametrize("other_tenant_waits", [False, True], ids=["only its tenant waits", "another tenant waits"])
+@pytest.mark.parametrize("limit", [None, 2], ids=["no limit", "at its limit"])
+def test_a_streamed_turn_is_stored_and_placed_by_one_statement_after_the_lock(monkeypatch, limit, other_tenant_waits):
+    """turn_start on PostgreSQL: the session's lock, then one statement that stores the turn and
+    reads where the worker slots stand. When every waiting turn is its tenant's, its place in
+    `turn_start` needs no statement (Room.place); otherwise the fair order is read. Either
+    way the place is the one the fair order gives once the turn is stored."""
+    from django.core.management import call_command
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from sessions_app.api.services import turns
+    from sessions_app.api.services.sessions import session_create
+    from sessions_app.engine import events, queue
+    from tenancy.models import Tenant
+
+    call_command("seed_demo", stdout=open("/dev/null", "w"))
+    tenant = Tenant.objects.get(name="demo")
+    Tenant.objects.filter(pk=tenant.pk).update(max_running_turns=limit, max_queued_turns=100)
+    tenant.refresh_from_db()
+    session_id = session_create(tenant=tenant, agent_config={"name": "echo"}, messages=None, tools=None).public_id
+    _turns(tenant, 2, running=True)
+    _turns(tenant, 3)
+    if other_tenant_waits:
+        _turns(_tenant(), 1)
+    in_flight = queue.slots_in_use()[0]
+    monkeypatch.setattr(queue, "capacity", lambda counted=None: in_flight)  # every slot taken
+    published: list[dict] = []
+    monkeypatch.setattr(events.backend(), "publish_sync", lambda turn_id, seq, event, **kw: published.append(event))
+
+    body = {"messages": [{"role": "user", "content": "where do I stand?"}], "stream": "delta"}
+    with CaptureQueriesContext(connection) as queries:
+        turn = turns.turn_start(tenant=tenant, session_id=session_id, data=body)
+
+    statements = [q["sql"] for q in queries]
+    (stored,) = [sql for sql in statements if "INSERT INTO sessions_app_turn" in sql]
+    assert " seen AS (SELECT COALESCE(SUM(CASE WHEN t.status" in stored  # the slots, read as it is stored
+    assert not [sql for sql in statements if sql.startswith("SELECT COALESCE(SUM(CASE WHEN t.status")]
+    fair_order = [sql for sql in statements if "ROW_NUMBER()" in sql]
+    assert len(fair_order) == other_tenant_waits  # read only when another tenant's turns wait
+    told = published[0]["_meta"]["queued"]
+    assert told == queue.queued_place(turn.id)  # as the fair order says, now the turn is stored
+    assert told == {"position": 4 if not other_tenant_waits else 5}  # after the 3 (and the other tenant's 1)

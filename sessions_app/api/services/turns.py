@@ -131,9 +131,10 @@ def _turn_start(
         turn = Turn(id=turn_id or new_turn_id(), session_id=session.pk, stream=mode, permissions=permissions)
         # Permission answers go to the worker holding the prompt that waits on them (ACP).
         node = runtime_for(agent.runtime_kind).pinned_worker(session_id=session.public_id) if permissions else None
-        room = None if node or mode == "none" else queue.room_for(turn.id, tenant)
+        # Where the worker slots stand, read by the statement that stores the turn (for a stream).
+        room_query = None if node or mode == "none" else queue.room_for(turn.id, tenant)
         incoming = tool_messages if session.pending_calls else messages
-        store.start_turn(
+        counts = store.start_turn(
             turn.id,
             session.pk,
             mode,
@@ -148,7 +149,9 @@ def _turn_start(
             },
             node=node or "",
             trace_parent=tracing.trace_parent(),
+            read=(room_query.sql, room_query.params) if room_query else None,
         )
+        room = room_query.room(counts) if room_query and counts is not None else None
         idempotency_keys.remember(tenant, idempotency, session.public_id, turn.id)
         # `turn_start` (event 1) before the commit: a client sees its turn begin at once, and
         # with Redis unreachable this raises, the transaction rolls back and nothing is stored.
