@@ -4,6 +4,7 @@ call, the network guard for application-chosen endpoints, and safe error sentenc
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -72,9 +73,11 @@ class ContextOverflow(Exception):
     """The prompt did not fit the model's context window (the provider said so, or answered nothing)."""
 
 
+@functools.lru_cache(maxsize=256)
 def default_tokens_field(base_url: str) -> str:
     """`max_completion_tokens` for OpenAI's own API; `max_tokens` (what every compatible server
-    reads, and what OpenAI still accepts for most models) for any other."""
+    reads, and what OpenAI still accepts for most models) for any other. Kept per base URL:
+    parsing one is a few percent of a worker's CPU per turn."""
     host = httpx.URL(base_url).host or ""
     return "max_completion_tokens" if host in OPENAI_HOSTS else "max_tokens"
 
