@@ -47,7 +47,7 @@ _WAITING = waiting("t")
 _IN_FLIGHT = f"t.status = '{Turn.RUNNING}'"
 
 
-def room_query(turn_id: str, tenant_id: int, workers_seen_since: datetime) -> tuple[str, list]:
+def _room_sql(turn_id: str, tenant_id: int, workers_seen_since: datetime) -> tuple[str, list]:
     """SQL and its parameters for one row: (in flight, waiting, this tenant's in flight, this
     tenant's waiting, worker slots); turn `turn_id` (about to be stored) is left out of the
     waiting ones. store.start_turn reads it in the statement that stores the turn."""
@@ -231,7 +231,7 @@ def worker_stale_seconds() -> float:
 def capacity(counted: int | None = None) -> int:
     """How many turns the workers run at once: the threads of this process in the embedded
     mode, else the concurrency of every worker alive according to its heartbeat (`counted`:
-    already read with the turns, `room_query`)."""
+    already read with the turns, `room_for`)."""
     if not settings.REDIS_URL:
         return settings.AAP_EMBEDDED_WORKERS
     if counted is not None:
@@ -289,7 +289,7 @@ def room_for(turn_id: str, tenant) -> RoomQuery:
     """Inside turn_start's transaction, before the turn is stored: the counts that say whether
     it will wait for a slot, and where it stands then (`queued_place`)."""
     since = timezone.now() - timedelta(seconds=worker_stale_seconds())
-    sql, params = room_query(turn_id, tenant.pk, since)
+    sql, params = _room_sql(turn_id, tenant.pk, since)
     limit = getattr(tenant, "max_running_turns", None)
     if limit is None:
         limit = settings.AAP_TENANT_MAX_RUNNING_TURNS

@@ -202,11 +202,12 @@ class Clients:
     """The process's model clients, on the loop runtimes run on.
 
     One connection pool for operator endpoints, on aiohttp (the SDK's `DefaultAioHttpClient`:
-    its C parser and asyncio-native streams cost a worker about a quarter less CPU per turn
-    than httpx2's transport, docs/performance.md), and one guarded httpx2 pool for endpoints
-    an application chose (every request, redirects too, checked and pinned: agents/netguard.py). The SDK client of
-    an endpoint (base URL, key, timeout, retries) is built once and kept, least recently
-    used first out: a turn never builds one (building one costs more than the request it sends).
+    its C parser and asyncio-native streams cost a worker less CPU per turn than httpx2's own
+    transport, docs/performance.md), and one guarded httpx2 pool for endpoints an application
+    chose (every request, redirects too, checked and pinned: agents/netguard.py). The SDK
+    client of an endpoint (base URL, key, timeout, retries) is built once and kept, least
+    recently used first out: a turn never builds one (building one costs more than the
+    request it sends).
     """
 
     def __init__(self):
