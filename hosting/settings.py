@@ -188,12 +188,15 @@ if DATABASE_URL:
             # longer than `timeout`, and requests and finishing turns then fail.
             "reconnect_timeout": env_float("DATABASE_POOL_RECONNECT_SECONDS", 5.0),
         }
-        # Parameters travel apart from the statement, and psycopg prepares a statement a
-        # connection has run 5 times: PostgreSQL then skips parsing and planning it, most of
-        # what the turn path's statements cost it. Set DATABASE_PREPARED_STATEMENTS=0 behind
-        # a pooler in transaction mode (PgBouncer before 1.21), which cannot keep them.
+        # Parameters travel apart from the statement, and psycopg prepares a statement the
+        # second time a connection runs it (a statement run once is never prepared):
+        # PostgreSQL then skips parsing it, and after its first five runs (custom plans)
+        # planning it too, most of what the turn path's statements cost it. Preparing after 5
+        # runs, psycopg's default, doubled the planning a connection does as a pool grows
+        # (pg_stat_statements, docs/performance.md). Set DATABASE_PREPARED_STATEMENTS=0
+        # behind a pooler in transaction mode (PgBouncer before 1.21), which cannot keep them.
         if env_bool("DATABASE_PREPARED_STATEMENTS", True):
-            DATABASES["default"]["OPTIONS"].update(server_side_binding=True, prepare_threshold=5)
+            DATABASES["default"]["OPTIONS"].update(server_side_binding=True, prepare_threshold=1)
     # The test runner's database; scripts/test.sh makes it unique per run so two checkouts'
     # suites can share one PostgreSQL server.
     if os.environ.get("DATABASE_TEST_NAME"):
