@@ -313,7 +313,7 @@ def queued_place(turn_id: str, room: Room | None = None) -> dict | None:
     if room is not None:
         if room.tenant_waiting == room.waiting:
             return room.place()
-        in_flight, waiting, free = room.in_flight, room.waiting + 1, max(0, room.free)
+        waiting, free = room.waiting + 1, max(0, room.free)
     else:
         in_flight, waiting = slots_in_use()
         if not waiting:

@@ -151,7 +151,7 @@ def _turn_start(
             trace_parent=tracing.trace_parent(),
             read=(room_query.sql, room_query.params) if room_query else None,
         )
-        room = room_query.room(counts) if room_query and counts is not None else None
+        room = room_query.room(counts) if room_query else None
         idempotency_keys.remember(tenant, idempotency, session.public_id, turn.id)
         # `turn_start` (event 1) before the commit: a client sees its turn begin at once, and
         # with Redis unreachable this raises, the transaction rolls back and nothing is stored.
