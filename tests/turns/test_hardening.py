@@ -98,6 +98,15 @@ def test_nul_in_tools_on_a_turn_is_a_400_and_nothing_is_stored(demo):
     assert demo.turn(session, text="still fine").stop_reason == "end_turn"
 
 
+@pytest.mark.parametrize("suffix", ["", "/history", "/turns/turn_%00x", "/turns/turn_x%00/events"])
+def test_a_nul_or_another_character_outside_ids_in_a_path_is_a_json_404(demo, suffix):
+    session = demo.create_session("echo")
+    for bad in (f"{session}%00", "sess_%C3%A9", "sess_x.y"):
+        path = f"/v1/sessions/{bad}{suffix}" if "%00" not in suffix else f"/v1/sessions/{session}{suffix}"
+        assert_json_error(demo.http.get(path), 404)
+    assert demo.get(f"/v1/sessions/{session}").status_code == 200, "the same session by its id"
+
+
 def test_an_agent_tool_call_with_nul_is_stored_faithfully_and_ends_with_a_clear_error(demo, captured):
     tool = {"name": "mytool", "description": "A client tool.", "parameters": {"type": "object"}}
     session = demo.create_session("echo", tools=[tool])
