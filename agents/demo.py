@@ -16,7 +16,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from tenancy.models import ApiToken, Tenant, hash_token
+from infra.crypto import hash_token
+from tenancy.models import ApiToken, Tenant
 from tenancy.services import token_create
 
 from .models import Agent

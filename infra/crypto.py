@@ -1,9 +1,11 @@
-"""Encryption of secrets at rest with the configured Fernet keys.
+"""Secrets at rest: stored secrets encrypted with the configured Fernet keys, and API tokens
+kept as hashes.
 
 HOSTING_ENCRYPTION_KEYS is a comma-separated list: the first key encrypts, every key
 decrypts, so keys can be rotated by putting a new key first.
 """
 
+import hashlib
 from functools import lru_cache
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
@@ -49,3 +51,9 @@ def decrypt(token: str) -> str:
 def rotate(token: str) -> str:
     """Re-encrypt a stored secret with the current first key."""
     return fernet().rotate(token.encode()).decode() if token else token
+
+
+def hash_token(raw: str) -> str:
+    """What is stored of an API token. Tokens carry 256 random bits, so a plain SHA-256 is
+    enough (no stretching needed)."""
+    return hashlib.sha256(raw.encode()).hexdigest()

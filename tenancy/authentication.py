@@ -10,8 +10,9 @@ from django.utils import timezone
 from rest_framework import authentication, exceptions, permissions
 
 from infra import limits
+from infra.crypto import hash_token
 
-from .models import LIMIT_FIELDS, ApiToken, Tenant, hash_token
+from .models import LIMIT_FIELDS, ApiToken, Tenant
 
 # The tenant's limits come with its token (one statement), so admission reads no more rows.
 _LIMIT_COLUMNS = ", ".join(f"t.{field}" for field in LIMIT_FIELDS)

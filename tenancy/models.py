@@ -1,6 +1,5 @@
 """Tenancy: tenants and their API tokens."""
 
-import hashlib
 import secrets
 from typing import TYPE_CHECKING
 
@@ -8,15 +7,12 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
+from infra.crypto import hash_token
+
 if TYPE_CHECKING:
     from infra.limits import RateState
 
 TOKEN_PREFIX = "aap_"  # noqa: S105 (the public prefix of every token, not a token)
-
-
-def hash_token(raw: str) -> str:
-    # Tokens carry 256 random bits, so a plain SHA-256 is enough (no stretching needed).
-    return hashlib.sha256(raw.encode()).hexdigest()
 
 
 class Tenant(models.Model):
