@@ -343,7 +343,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["tenancy.authentication.IsTenant"],
     "DEFAULT_PARSER_CLASSES": ["infra.errors.LimitedJSONParser"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "infra.negotiation.ProtocolContentNegotiation",
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "infra.errors.ProtocolContentNegotiation",
     "EXCEPTION_HANDLER": "infra.errors.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,

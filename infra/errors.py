@@ -1,4 +1,5 @@
-"""Every non-2xx answer is JSON: {"error": "<one sentence>", "details"?: ...}."""
+"""Every non-2xx answer is JSON: {"error": "<one sentence>", "details"?: ...}; and no answer is
+a 406 (ProtocolContentNegotiation)."""
 
 import logging
 import re
@@ -8,6 +9,7 @@ from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.http import Http404, JsonResponse
 from rest_framework import exceptions, status
+from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 
@@ -280,3 +282,22 @@ def handler400(request, exception=None):
 
 def handler403(request, exception=None):
     return json_error("This request is not allowed.", 403)
+
+
+class ProtocolContentNegotiation(DefaultContentNegotiation):
+    """Content negotiation that never stands in the way of the protocol.
+
+    AAP clients send `Accept: text/event-stream` (the TypeScript SDK on every streamed turn, a
+    browser's EventSource on every re-attach), yet a turn answers JSON or SSE according to its
+    `stream` field, and errors are JSON. DRF's default negotiation would answer 406 to such a
+    request before authentication and before the session lookup; this one answers in the
+    endpoint's own format instead (HTTP lets a server ignore an Accept it cannot satisfy), so
+    401 and 404 keep their meaning for every client."""
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        try:
+            return super().select_renderer(request, renderers, format_suffix)
+        except exceptions.NotAcceptable:
+            if format_suffix or request.query_params.get(self.settings.URL_FORMAT_OVERRIDE):
+                raise  # an explicit ?format= the endpoint does not have is the client's error
+            return renderers[0], renderers[0].media_type

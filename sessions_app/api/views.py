@@ -1,4 +1,5 @@
-"""AAP v3 endpoints. Thin: validate with a protocol serializer, call one service, answer."""
+"""AAP v3 endpoints. Thin: validate with a protocol serializer, call one service, answer.
+And the parsers of the bodies that carry messages (the v2-era views use them too)."""
 
 import re
 
@@ -11,6 +12,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agents.selectors import agent_info, agents_for_tenant
+from infra.errors import LimitedJSONParser
 from infra.service_errors import BadRequest, NotFound
 from sessions_app.engine import events
 from sessions_app.engine.stream import chosen_turn_id, turn_response
@@ -24,9 +26,8 @@ from tenancy.authentication import (
 from .. import protocol
 from ..models import Turn
 from . import idempotency_keys, selectors
-from .parsers import SessionBodyParser, TurnBodyParser
 from .services import sessions, turns
-from .services.validation import check_request_size
+from .services.validation import check_body_size, check_request_size
 
 ERRORS = {
     400: protocol.ErrorSerializer,
@@ -43,6 +44,24 @@ IDEMPOTENCY_KEY = OpenApiParameter(
     "the same key with another request is 422.",
 )
 RETRY_ERRORS = {422: protocol.ErrorSerializer, 503: protocol.ErrorSerializer}
+
+
+# Each parser counts the body's messages, content parts and tools before the body is parsed
+# (services.validation.check_body_size): 200,000 tiny messages are refused without building
+# 200,000 dicts.
+class TurnBodyParser(LimitedJSONParser):
+    """A turn's request: at most AAP_MAX_TURN_MESSAGES messages."""
+
+    seed = False
+
+    def check_before_parse(self, raw: bytes) -> None:
+        check_body_size(raw, seed=self.seed)
+
+
+class SessionBodyParser(TurnBodyParser):
+    """A session's creation: its seed history holds at most AAP_MAX_SEED_MESSAGES messages."""
+
+    seed = True
 
 
 def idempotency(request) -> tuple[str, str] | None:

@@ -52,7 +52,7 @@ def parsed_only(monkeypatch):
     """Turns the count before the parse off: every body takes the path of the parsed body."""
 
     def off():
-        monkeypatch.setattr("sessions_app.api.parsers.check_body_size", lambda raw, *, seed: None)
+        monkeypatch.setattr("sessions_app.api.views.check_body_size", lambda raw, *, seed: None)
 
     return off
 

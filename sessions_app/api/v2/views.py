@@ -19,7 +19,6 @@ from tenancy.authentication import turn_events_ticket
 
 from .. import selectors
 from .. import views as v3
-from ..parsers import SessionBodyParser, TurnBodyParser
 from ..services import sessions, turns
 from ..services.validation import check_request_size
 from . import shapes
@@ -53,7 +52,7 @@ class MetaView(v3.MetaView):
 
 
 class SessionCreateView(APIView):
-    parser_classes = [SessionBodyParser]
+    parser_classes = [v3.SessionBodyParser]
 
     @extend_schema(
         summary="Create a session and run its first turn",
@@ -82,7 +81,7 @@ class SessionCreateView(APIView):
 
 
 class SessionView(APIView):
-    parser_classes = [TurnBodyParser]
+    parser_classes = [v3.TurnBodyParser]
 
     @extend_schema(
         summary="Send a turn",
