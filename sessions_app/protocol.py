@@ -10,6 +10,7 @@ serializer beside the OpenAPI schema that mirrors it.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any
@@ -18,6 +19,7 @@ import jsonschema
 from drf_spectacular.drainage import set_override
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+from rest_framework.settings import api_settings
 
 # The framework-free core (shapes, fold, SSE) lives in `aap`; re-exported here so the API
 # layer has one protocol module to import from.
@@ -79,6 +81,39 @@ class StrictSerializer(serializers.Serializer):
             if errors:
                 raise serializers.ValidationError(errors)
         return super().to_internal_value(data)
+
+
+@functools.cache
+def _validator(serializer_class: type[serializers.Serializer]) -> serializers.Serializer:
+    return serializer_class()
+
+
+def validate(serializer_class: type[serializers.Serializer], data):
+    """`data` validated by `serializer_class`: what `serializer_class(data=data)` would give
+    as `validated_data` after `is_valid(raise_exception=True)`, or the ValidationError that
+    would raise. Through one instance per class and its `run_validation`: DRF deep-copies
+    every declared field (nested serializers included) for each new instance, most of the
+    cost of validating a small body, and `run_validation` keeps nothing on the instance (no
+    serializer here reads `context`), so one instance serves every request and thread
+    (tests/unit/test_request_validation.py holds it to `is_valid`)."""
+    try:
+        return _validator(serializer_class).run_validation(data)
+    except serializers.ValidationError as exc:
+        detail = exc.detail
+        if isinstance(detail, list):  # not an object: worded as `Serializer.errors` words it
+            if len(detail) == 1 and getattr(detail[0], "code", None) == "null":
+                detail = [serializers.ErrorDetail("No data provided", code="null")]
+            detail = {api_settings.NON_FIELD_ERRORS_KEY: detail}
+        raise serializers.ValidationError(detail) from None
+
+
+def errors_of(serializer_class: type[serializers.Serializer], data) -> dict | None:
+    """The errors of `data` under `serializer_class` (as `validate`), or None when it is valid."""
+    try:
+        validate(serializer_class, data)
+    except serializers.ValidationError as exc:
+        return exc.detail  # type: ignore[return-value]
+    return None
 
 
 def unstorable(value, path: str = "") -> str | None:
@@ -333,9 +368,9 @@ class ContentField(serializers.Field):
             if not isinstance(kind, str) or kind not in self.block_types:
                 errors[str(index)] = [f"Block type must be one of: {', '.join(self.block_types)}."]
                 continue
-            serializer = self.block_serializers[kind](data=block)
-            if not serializer.is_valid():
-                errors[str(index)] = serializer.errors
+            problems = errors_of(self.block_serializers[kind], block)
+            if problems:
+                errors[str(index)] = problems
         if errors:
             raise serializers.ValidationError(errors)
         return data
@@ -399,9 +434,7 @@ class MessageField(serializers.Field):
         role = data.get("role")
         if not isinstance(role, str) or role not in self.roles:
             raise serializers.ValidationError({"role": [f"Role must be one of: {', '.join(self.roles)}."]})
-        serializer = self.message_serializers[role](data=data)
-        if not serializer.is_valid():
-            raise serializers.ValidationError(serializer.errors)
+        validate(self.message_serializers[role], data)
         return data  # stored exactly as sent
 
     def to_representation(self, value):

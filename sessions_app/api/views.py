@@ -74,12 +74,6 @@ def idempotency(request) -> tuple[str, str] | None:
     return key, idempotency_keys.fingerprint(request.method, request.path, request.data)
 
 
-def validated(serializer_class, data):
-    serializer = serializer_class(data=data)
-    serializer.is_valid(raise_exception=True)
-    return serializer.validated_data
-
-
 class MetaView(APIView):
     @extend_schema(
         summary="Discover agents",
@@ -109,7 +103,7 @@ class SessionsView(APIView):
     )
     def post(self, request):
         check_request_size(request.data, seed=True)
-        data = validated(protocol.CreateSessionSerializer, request.data)
+        data = protocol.validate(protocol.CreateSessionSerializer, request.data)
         session = sessions.session_create(
             tenant=request.user.tenant,
             agent_config=data["agent"],
@@ -125,7 +119,7 @@ class SessionsView(APIView):
         responses={200: protocol.SessionListSerializer, **ERRORS},
     )
     def get(self, request):
-        query = validated(protocol.SessionListQuerySerializer, request.query_params)
+        query = protocol.validate(protocol.SessionListQuerySerializer, request.query_params)
         return Response(selectors.sessions_page(request.user.tenant, after=query.get("after"), limit=query["limit"]))
 
 
@@ -148,7 +142,7 @@ class HistoryView(APIView):
     )
     def get(self, request, session_id):
         session = selectors.session_for_tenant(request.user.tenant, session_id)
-        query = validated(protocol.HistoryQuerySerializer, request.query_params)
+        query = protocol.validate(protocol.HistoryQuerySerializer, request.query_params)
         return selectors.history_response(session, query["type"])
 
 
@@ -175,7 +169,7 @@ class TurnsView(APIView):
     )
     def post(self, request, session_id):
         check_request_size(request.data, seed=False)
-        data = validated(protocol.TurnRequestSerializer, request.data)
+        data = protocol.validate(protocol.TurnRequestSerializer, request.data)
         turn = turns.turn_start(
             tenant=request.user.tenant,
             session_id=session_id,

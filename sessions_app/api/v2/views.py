@@ -70,7 +70,7 @@ class SessionCreateView(APIView):
     )
     def put(self, request):
         check_request_size(request.data, seed=True)
-        data = v3.validated(shapes.V2CreateSessionSerializer, request.data)
+        data = protocol.validate(shapes.V2CreateSessionSerializer, request.data)
         session_id, turn = turns.session_open(
             tenant=request.user.tenant,
             **shapes.create_request_to_v3(data),
@@ -97,7 +97,7 @@ class SessionView(APIView):
     )
     def post(self, request, session_id):
         check_request_size(request.data, seed=False)
-        data = v3.validated(shapes.V2TurnRequestSerializer, request.data)
+        data = protocol.validate(shapes.V2TurnRequestSerializer, request.data)
         turn = turns.turn_start(
             tenant=request.user.tenant,
             session_id=session_id,
@@ -127,7 +127,7 @@ class SessionsView(APIView):
         responses={200: shapes.V2SessionListSerializer, **v3.ERRORS},
     )
     def get(self, request):
-        query = v3.validated(shapes.V2SessionListQuerySerializer, request.query_params)
+        query = protocol.validate(shapes.V2SessionListQuerySerializer, request.query_params)
         try:
             page = selectors.sessions_page(request.user.tenant, after=query.get("after"), limit=query["limit"])
         except BadRequest:
