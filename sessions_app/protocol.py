@@ -107,15 +107,6 @@ def validate(serializer_class: type[serializers.Serializer], data):
         raise serializers.ValidationError(detail) from None
 
 
-def errors_of(serializer_class: type[serializers.Serializer], data) -> dict | None:
-    """The errors of `data` under `serializer_class` (as `validate`), or None when it is valid."""
-    try:
-        validate(serializer_class, data)
-    except serializers.ValidationError as exc:
-        return exc.detail  # type: ignore[return-value]
-    return None
-
-
 def unstorable(value, path: str = "") -> str | None:
     """Where `value` holds JSON that PostgreSQL's jsonb refuses, as a sentence; None if none.
 
@@ -368,9 +359,10 @@ class ContentField(serializers.Field):
             if not isinstance(kind, str) or kind not in self.block_types:
                 errors[str(index)] = [f"Block type must be one of: {', '.join(self.block_types)}."]
                 continue
-            problems = errors_of(self.block_serializers[kind], block)
-            if problems:
-                errors[str(index)] = problems
+            try:
+                validate(self.block_serializers[kind], block)
+            except serializers.ValidationError as exc:
+                errors[str(index)] = exc.detail
         if errors:
             raise serializers.ValidationError(errors)
         return data
