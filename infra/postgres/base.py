@@ -32,7 +32,7 @@ _sweeping = threading.Lock()  # one sweep of the idle connections at a time
 
 
 def returned(conn) -> None:
-    """psycopg_pool `reset` hook: the connection is back in the pool, and it worked."""
+    """The connection is going back to the pool, and it worked (`DatabaseWrapper.close`)."""
     _returned_at[conn] = time.monotonic()
 
 
@@ -78,5 +78,15 @@ class DatabaseWrapper(base.DatabaseWrapper):
         # pool opens (Django opens it on the first connection, after this property).
         if pool is not None and getattr(pool, "_check", None) is not check:
             pool._check = check
-            pool._reset = returned
         return pool
+
+    def close(self) -> None:
+        # The return time is taken here rather than in a psycopg_pool `reset` hook: with
+        # any reset hook the pool hands every returned connection to its maintenance
+        # thread, a thread switch and a lock round per return (several per turn); without
+        # one the connection goes back inline, on the returning thread.
+        # Taken before the return, so that a thread waiting for a connection never gets
+        # this one unrecorded (and checks it for nothing).
+        if self.connection is not None and not self.closed_in_transaction and self.pool is not None:
+            returned(self.connection)
+        super().close()

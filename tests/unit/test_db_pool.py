@@ -59,10 +59,11 @@ def test_a_connection_idle_for_a_while_is_checked_and_a_dead_one_raises(monkeypa
         base.check(conn)
 
 
-def test_the_backend_installs_its_check_and_reset_on_djangos_pool(monkeypatch):
-    """Django builds the pool with its own check; the backend swaps in its hooks before the
-    pool opens (the pool's attribute names are psycopg_pool's: a library upgrade that renames
-    them fails here, not in production)."""
+def test_the_backend_installs_its_check_and_no_reset_on_djangos_pool(monkeypatch):
+    """Django builds the pool with its own check; the backend swaps in its check before the
+    pool opens (the attribute names are psycopg_pool's: a library upgrade that renames them
+    fails here, not in production). It sets no reset hook: with one, psycopg_pool returns
+    every connection through its maintenance thread instead of inline."""
     from psycopg_pool import ConnectionPool
 
     pool = ConnectionPool(conninfo="", open=False, check=ConnectionPool.check_connection)
@@ -70,7 +71,53 @@ def test_the_backend_installs_its_check_and_reset_on_djangos_pool(monkeypatch):
     monkeypatch.setattr(base.base.DatabaseWrapper, "pool", property(lambda self: pool))
     wrapper = base.DatabaseWrapper.__new__(base.DatabaseWrapper)
     assert wrapper.pool is pool
-    assert pool._check is base.check and pool._reset is base.returned
+    assert pool._check is base.check and pool._reset is None
+
+
+def _wrapper(pool):
+    settings = {
+        "ENGINE": "infra.postgres",
+        "NAME": "aap",
+        "OPTIONS": {"pool": {"min_size": 1}},
+        "CONN_MAX_AGE": 0,
+        "CONN_HEALTH_CHECKS": False,
+        "TIME_ZONE": None,
+        "AUTOCOMMIT": True,
+        "ATOMIC_REQUESTS": False,
+        "USER": "",
+        "PASSWORD": "",
+        "HOST": "",
+        "PORT": "",
+        "TEST": {},
+    }
+    wrapper = base.DatabaseWrapper(settings, alias="pool-test")
+    wrapper._connection_pools["pool-test"] = pool
+    return wrapper
+
+
+def test_a_connection_django_closes_is_recorded_before_it_goes_back_to_the_pool(checks, monkeypatch):
+    """Django's close returns a pooled connection (`putconn`); the backend records it first,
+    so the next checkout of that connection skips the check, even one by a thread that was
+    waiting for it."""
+    monkeypatch.setattr(base.time, "monotonic", lambda: 100.0)
+    seen: list = []
+
+    class Pool:
+        def putconn(self, conn):
+            seen.append(conn in base._returned_at)
+
+    pool = Pool()
+    wrapper = _wrapper(pool)
+    conn = Conn()
+    conn._pool = pool
+    wrapper.connection = conn
+    try:
+        wrapper.close()
+    finally:
+        del wrapper._connection_pools["pool-test"]
+    assert seen == [True] and wrapper.connection is None
+    base.check(conn)
+    assert checks == []
 
 
 def test_a_dead_connection_at_checkout_sweeps_the_pools_other_idle_ones_once(monkeypatch):
