@@ -74,7 +74,19 @@ def test_the_backend_installs_its_check_and_no_reset_on_djangos_pool(monkeypatch
     assert pool._check is base.check and pool._reset is None
 
 
-def _wrapper(pool):
+def test_a_connection_django_closes_is_recorded_before_it_goes_back_to_the_pool(checks, monkeypatch):
+    """Django's close returns a pooled connection (`putconn`); the backend records it first,
+    so the next checkout of that connection skips the check, even one by a thread that was
+    waiting for it."""
+    monkeypatch.setattr(base.time, "monotonic", lambda: 100.0)
+    seen: list = []
+
+    class Pool:
+        def putconn(self, conn):
+            seen.append(conn in base._returned_at)
+
+    pool = Pool()
+    monkeypatch.setitem(base.DatabaseWrapper._connection_pools, "pool-test", pool)
     settings = {
         "ENGINE": "infra.postgres",
         "NAME": "aap",
@@ -91,30 +103,10 @@ def _wrapper(pool):
         "TEST": {},
     }
     wrapper = base.DatabaseWrapper(settings, alias="pool-test")
-    wrapper._connection_pools["pool-test"] = pool
-    return wrapper
-
-
-def test_a_connection_django_closes_is_recorded_before_it_goes_back_to_the_pool(checks, monkeypatch):
-    """Django's close returns a pooled connection (`putconn`); the backend records it first,
-    so the next checkout of that connection skips the check, even one by a thread that was
-    waiting for it."""
-    monkeypatch.setattr(base.time, "monotonic", lambda: 100.0)
-    seen: list = []
-
-    class Pool:
-        def putconn(self, conn):
-            seen.append(conn in base._returned_at)
-
-    pool = Pool()
-    wrapper = _wrapper(pool)
     conn = Conn()
     conn._pool = pool
     wrapper.connection = conn
-    try:
-        wrapper.close()
-    finally:
-        del wrapper._connection_pools["pool-test"]
+    wrapper.close()
     assert seen == [True] and wrapper.connection is None
     base.check(conn)
     assert checks == []
