@@ -11,10 +11,11 @@ or the embedded mode's, inside the web process; a test can make several without 
   that finds a turn), so a lost wake-up costs latency, never a turn;
 - on PostgreSQL, a listener thread: the statement that stores a turn notifies
   store.WAKE_CHANNEL, delivered when its transaction commits, and each notification for
-  this worker's queue (and not pinned to another worker) is a wake-up. A wake-up that finds
-  no free thread is not kept as a debt: a thread that frees looks again if anything was
-  heard since its last look began (`_heard`), so no turn waits for the timer because it was
-  committed while every thread was busy. Elsewhere the wake-up is a Celery message (SQLite
+  this worker's queue (and not pinned to another worker) is a wake-up. A wake-up rings one
+  free thread; one that finds none is not kept as a debt: a thread that frees looks again if
+  a wake-up found no free thread since its last look began (`_missed`), so no turn waits for
+  the timer because it was committed while every thread was busy, and no thread looks for a
+  turn another thread was rung for. Elsewhere the wake-up is a Celery message (SQLite
   with a broker) or the embedded mode's commit hook;
 - its heartbeat row in PostgreSQL every round, saying how many turns it runs at once (what
   `queued` positions are counted against);
@@ -87,7 +88,7 @@ class Worker:
         self._bell = threading.Condition()
         self._rung = 0  # wake-ups rung for waiting threads that have not taken them yet
         self._idle = 0  # slot threads waiting for a wake-up
-        self._heard = 0  # wake-ups heard so far (a thread compares it with its last look's)
+        self._missed = 0  # wake-ups that found no free thread (a thread compares it with its last look's)
         self._looking = False  # a free thread looks for turns every AAP_WORKER_POLL_SECONDS
         self._look_now = False  # the next free thread looks on the timer at once (_look_again)
         self._threads: list[threading.Thread] = []
@@ -130,10 +131,11 @@ class Worker:
         """A turn waits: a free thread looks for it now (or the next thread to free up, if it
         looked before this)."""
         with self._bell:
-            self._heard += 1
             if self._rung < self._idle:
                 self._rung += 1
                 self._bell.notify()
+            else:
+                self._missed += 1
         # Let the woken thread take the interpreter now: otherwise it may wait for this one's
         # switch interval (5 ms) before it can claim the turn.
         time.sleep(0)
@@ -185,32 +187,32 @@ class Worker:
     def _serve(self) -> None:
         """A slot thread: claim, run, and claim again while turns wait; else wait to be woken."""
         look: str | None = WOKEN  # at once: turns may have waited for a worker
-        heard = self._heard
+        missed = self._missed
         while self.serving:
             taken = None
             if look:
-                # Whatever is heard from here on, this look (the claim, or the end of the turn
-                # it claims) may miss; what was heard before, it sees.
-                heard = self._heard
+                # A turn stored from here on, this look (the claim, or the end of the turn it
+                # claims) may miss; one stored before, it sees.
+                missed = self._missed
                 taken = self.take()
             if taken is None:
                 connection.close()  # idle: no connection held while nothing runs
-                look = self._wait(heard)
+                look = self._wait(missed)
                 continue
             if look == TIMER:
                 self._look_again()
             turn_id, claimed = taken
             look = WOKEN if self._run(turn_id, claimed) else None
 
-    def _wait(self, heard: int) -> str | None:
+    def _wait(self, missed: int) -> str | None:
         """Wait for a wake-up (WOKEN), or, for the one free thread that looks on a timer, the
-        next look (TIMER); None once the worker stops. `heard`: the wake-ups heard when this
-        thread's last look began; if one came since, it looks at once. The thread that looks
+        next look (TIMER); None once the worker stops. `missed`: the wake-ups that had found no
+        free thread when this thread's last look began; if one did since, it looks at once. The thread that looks
         on the timer hands that on to another free thread as it stops waiting (it may take a
         turn and run it): a turn whose wake-up was lost is found while any thread is free."""
         with self._bell:
-            if self._heard != heard:
-                return WOKEN  # a turn may have been stored after that look began
+            if self._missed != missed:
+                return WOKEN  # a turn stored after that look began found no thread to look for it
             self._idle += 1
             try:
                 while self.serving:

@@ -93,3 +93,33 @@ def test_a_wake_up_reaches_a_waiting_thread_once(worker):
         idle.wait(0.01)
     assert idle.is_set()
     assert stand_ins.looks == 2
+
+
+def test_a_wake_up_rung_for_a_free_thread_does_not_make_a_busy_one_look_again():
+    worker = Worker("test", 2, beats=False)
+    stand_ins = StandIns(worker)
+    stand_ins.turns.append("long")
+    try:
+        worker.start()
+        assert stand_ins.running.wait(PATIENCE)
+        stand_ins.wait_looks(2)  # one thread claimed "long", the other found nothing and waits
+        # A turn is stored while one thread is free: the wake-up rings that thread, which
+        # claims it; the busy thread, as it frees, has nothing to look for.
+        stand_ins.turns.append("short")
+        worker.wake()
+        stand_ins.wait_looks(3)
+        stand_ins.release.set()
+        with stand_ins.looked:
+            assert stand_ins.looked.wait_for(lambda: sorted(stand_ins.ran) == ["long", "short"], PATIENCE)
+        idle = threading.Event()
+        for _ in range(int(PATIENCE * 100)):
+            with worker._bell:
+                if worker._idle == 2:
+                    idle.set()
+                    break
+            idle.wait(0.01)
+        assert idle.is_set()
+        assert stand_ins.looks == 3
+    finally:
+        worker.stop()
+        worker.drain(PATIENCE)
