@@ -119,6 +119,9 @@ class Turn(models.Model):
     # The queue it waits in (AAP_TURN_QUEUE of the web that accepted it): only workers of the
     # same queue claim it.
     queue = models.CharField(max_length=64, default="default", db_default="default")
+    # The worker it is counted against: while it waits, the one its wake-up went to; once
+    # claimed, the one running it (empty: none). What the next turn's wake-up is aimed by.
+    worker_node = models.CharField(max_length=200, blank=True, default="", db_default="")
     # The W3C traceparent of the request that accepted it: its run continues that trace.
     trace_parent = models.CharField(max_length=64, blank=True, default="", db_default="")
 
@@ -149,10 +152,13 @@ class IdempotencyKey(models.Model):
 
 
 class Worker(models.Model):
-    """A worker process that runs turns, and how many at once: the slots dispatch fills.
+    """A worker process that runs turns, and how many at once: what a waiting turn's place and
+    wake-up are counted against.
     Its heartbeat (`seen_at`) is written by the process itself (sessions_app.engine.worker)."""
 
     node = models.CharField(max_length=200, unique=True)
+    # The queue it takes turns from (its AAP_TURN_QUEUE).
+    queue = models.CharField(max_length=64, default="default", db_default="default")
     concurrency = models.PositiveIntegerField()
     seen_at = models.DateTimeField()
 

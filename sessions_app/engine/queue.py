@@ -5,7 +5,8 @@ PostgreSQL is the one queue. A turn is committed `queued` and waits there until 
 thread with a free slot claims it (sessions_app.engine.worker, `claim_next`: fair between
 tenants by weight, within each tenant's running limit, pinned turns to their worker, in one
 statement). When the turn commits, a worker's bell rings: on PostgreSQL, the notification
-that the turn's insert sent (heard by every worker's listener, sessions_app.engine.worker); on
+that the turn's insert sent, aimed at one worker (`aimed_worker`; heard by its listener,
+sessions_app.engine.worker); on
 SQLite, a Celery message with no turn in it (to the worker that holds the prompt a turn
 answers, when it is pinned), or, in the embedded mode, this process's own worker. A lost
 wake-up costs latency, never a turn: each worker looks for waiting turns every
@@ -133,7 +134,7 @@ _CLAIM = (
     f"ORDER BY share, created_at, id LIMIT %s) r "
     f"ON r.id = q.id WHERE q.status = '{Turn.QUEUED}' ORDER BY r.share, r.created_at, r.id LIMIT 1 "
     f"FOR UPDATE OF q SKIP LOCKED), "
-    f"claimed AS (UPDATE {T} SET status = '{Turn.RUNNING}', started_at = %s, heartbeat_at = %s "
+    f"claimed AS (UPDATE {T} SET status = '{Turn.RUNNING}', started_at = %s, heartbeat_at = %s, worker_node = %s "
     f"WHERE id = (SELECT id FROM pick) AND status = '{Turn.QUEUED}' RETURNING id, {store.CLAIMED_COLUMNS})"
 )
 # How many of the fair order's first turns one claim may skip (taken by threads claiming at
@@ -157,7 +158,7 @@ def claim_next(node: str, default_max_running: int, pinned_before: datetime) -> 
     with connection.cursor() as cursor:
         cursor.execute(
             store.with_session(_CLAIM, "claimed"),
-            [default_max_running, default_max_running, settings.AAP_TURN_QUEUE, node, pinned, _PICKS, now, now],
+            [default_max_running, default_max_running, settings.AAP_TURN_QUEUE, node, pinned, _PICKS, now, now, node],
         )
         row = cursor.fetchone()
     return (row[0], store.claimed(row[1:], started)) if row else None
@@ -167,9 +168,10 @@ def worker_beat(node: str, concurrency: int) -> None:
     """A worker process is alive and runs up to `concurrency` turns at once."""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"INSERT INTO {W} (node, concurrency, seen_at) VALUES (%s, %s, %s) "
-            f"ON CONFLICT (node) DO UPDATE SET concurrency = EXCLUDED.concurrency, seen_at = EXCLUDED.seen_at",
-            [node, concurrency, _now()],
+            f"INSERT INTO {W} (node, queue, concurrency, seen_at) VALUES (%s, %s, %s, %s) "
+            f"ON CONFLICT (node) DO UPDATE SET queue = EXCLUDED.queue, concurrency = EXCLUDED.concurrency, "
+            f"seen_at = EXCLUDED.seen_at",
+            [node, settings.AAP_TURN_QUEUE, concurrency, _now()],
         )
 
 
@@ -196,6 +198,31 @@ def worker_slots(seen_since: datetime) -> int:
 WAKE = "sessions_app.tasks.wake"
 # This process's own worker, in the embedded mode (sessions_app.engine.worker), by name likewise.
 EMBEDDED_WAKE = "sessions_app.engine.worker.wake_embedded"
+
+
+def aimed_worker() -> tuple[str, list] | None:
+    """SQL (and its parameters) of one value: the worker a new turn's wake-up goes to, on
+    PostgreSQL (store.start_turn reads it in the statement that stores the turn; elsewhere
+    None: a Celery message or the embedded worker wakes one already). Of the workers of
+    this queue seen alive, the one with the most free slots (its slots less the turns it
+    runs and the waiting turns aimed at it), ties at random; NULL when none is seen.
+
+    One worker is woken, not all: every worker woken for a turn spends a claim, and only one
+    finds it. A worker that cannot take the turn at once (every thread busy) looks when a
+    thread frees, and so does any worker's thread that ends while turns wait (store.end_turn).
+    A worker that died within worker_stale_seconds() may be aimed at: its turn waits for
+    another worker's next look (AAP_WORKER_POLL_SECONDS), as for any lost wake-up."""
+    if connection.vendor != "postgresql":
+        return None
+    return (
+        f"SELECT w.node FROM {W} w LEFT JOIN (SELECT t.worker_node AS node, COUNT(*) AS n FROM {T} t "
+        f"WHERE {_ACTIVE} GROUP BY t.worker_node) a ON a.node = w.node WHERE w.seen_at >= %s AND w.queue = %s "
+        f"ORDER BY w.concurrency - COALESCE(a.n, 0) DESC, random() LIMIT 1",
+        [
+            connection.ops.adapt_datetimefield_value(timezone.now() - timedelta(seconds=worker_stale_seconds())),
+            settings.AAP_TURN_QUEUE,
+        ],
+    )
 
 
 def wake_after_commit(node: str | None = None) -> None:

@@ -196,7 +196,7 @@ WAKE_CHANNEL = "aap_turn_waits"
 
 
 def wake_payload(queue: str, node: str) -> str:
-    """A notification's payload: the turn's queue, and the worker it is pinned to (or none)."""
+    """A notification's payload: the turn's queue, and the worker woken for it (none: any)."""
     return f"{queue}\t{node}"
 
 
@@ -210,25 +210,29 @@ def start_turn(
     messages: list[dict],
     session_fields: dict,
     node: str = "",
+    aim: tuple[str, list] | None = None,
     trace_parent: str = "",
     read: tuple[str, list] | None = None,
 ) -> tuple | None:
     """Store a new queued turn with the messages it brings (full and compacted history, at
     `first_seq`, `first_seq` + 1...) and the session's changes (`session_fields`, columns of
     the session). `node`: the worker that must run it (it holds the prompt the turn answers),
-    else any; `trace_parent`: the trace its run continues.
+    else any; `aim` (PostgreSQL, a turn any worker may run): a query (SQL, parameters) of the
+    worker to wake for it (queue.aimed_worker); `trace_parent`: the trace its run continues.
 
     On PostgreSQL one statement does all three (its data-modifying CTEs), and it notifies
     WAKE_CHANNEL, which the workers hear when the transaction commits (never before, never
-    for a turn rolled back): payload `wake_payload(queue, node)`. The caller holds the
-    session's lock (lock_session), so the statement sees the session as it is.
+    for a turn rolled back): payload `wake_payload(queue, worker)`, the worker `node`, or
+    the one `aim` gives (none: every worker of the queue). The caller holds the session's
+    lock (lock_session), so the statement sees the session as it is.
 
     `read`: a query (SQL, parameters) of one row, read as the database was before the turn
     was stored; its row is returned (on PostgreSQL, from the same statement)."""
     insert = (
         f"INSERT INTO {T} (id, session_id, status, stream, stop_reason, cancelled, permissions, error, "
         f"prompt_tokens, completion_tokens, model_calls, created_at, partial, output_seq, pinned_node, trace_parent, "
-        f"queue) VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0, %s, %s, %s)"
+        f"queue, worker_node) VALUES (%s, %s, %s, %s, '', %s, %s, '', 0, 0, 0, %s, '', 0, %s, %s, %s, "
+        f"{f'COALESCE(({aim[0]}), %s)' if aim else '%s'}) RETURNING worker_node"
     )
     params: list = [
         turn_id,
@@ -241,6 +245,8 @@ def start_turn(
         node or "",
         trace_parent,
         settings.AAP_TURN_QUEUE,
+        *(aim[1] if aim else []),
+        node or "",
     ]
     rows = _message_rows(session_pk, first_seq, messages, turn_id=turn_id)
     update, update_params = _session_update(session_pk, session_fields)
@@ -251,21 +257,24 @@ def start_turn(
                 cursor.execute(*read)
                 found = cursor.fetchone()
             cursor.execute(insert, params)
+            (worker,) = cursor.fetchone()
         insert_message_rows(rows)
         with connection.cursor() as cursor:
             cursor.execute(update, update_params)
         if connection.vendor == "postgresql":
             with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_notify(%s, %s)", [WAKE_CHANNEL, wake_payload(settings.AAP_TURN_QUEUE, node)])
+                cursor.execute(
+                    "SELECT pg_notify(%s, %s)", [WAKE_CHANNEL, wake_payload(settings.AAP_TURN_QUEUE, worker)]
+                )
         return found
-    ctes = [f"stored AS ({insert} RETURNING 1)"]
+    ctes = [f"stored AS ({insert})"]
     if rows:
         rows_sql, rows_params = _message_insert(rows)
         ctes.append(f"added AS ({rows_sql})")
         params += rows_params
     ctes.append(f"moved AS ({update})")
     params += update_params
-    select, source = "pg_notify(%s, %s)", "stored"
+    select, source = "pg_notify(%s, %s || stored.worker_node)", "stored"
     if read is not None:
         # Every part of one statement sees the database as it was when the statement began.
         ctes.append(f"seen AS ({read[0]})")
@@ -274,7 +283,7 @@ def start_turn(
     with connection.cursor() as cursor:
         cursor.execute(
             f"WITH {', '.join(ctes)} SELECT {select} FROM {source}",
-            [*params, WAKE_CHANNEL, wake_payload(settings.AAP_TURN_QUEUE, node)],
+            [*params, WAKE_CHANNEL, wake_payload(settings.AAP_TURN_QUEUE, "")],
         )
         found = cursor.fetchone()
     return tuple(found[1:]) if read is not None and found is not None else None

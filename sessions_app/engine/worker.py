@@ -11,7 +11,7 @@ or the embedded mode's, inside the web process; a test can make several without 
   that finds a turn), so a lost wake-up costs latency, never a turn;
 - on PostgreSQL, a listener thread: the statement that stores a turn notifies
   store.WAKE_CHANNEL, delivered when its transaction commits, and each notification for
-  this worker's queue (and not pinned to another worker) is a wake-up. A wake-up rings one
+  this worker's queue aimed at it (or at no worker: queue.aimed_worker) is a wake-up. A wake-up rings one
   free thread; one that finds none is not kept as a debt: a thread that frees looks again if
   a wake-up found no free thread since its last look began (`_missed`), so no turn waits for
   the timer because it was committed while every thread was busy, and no thread looks for a
@@ -303,7 +303,7 @@ class Worker:
                 self._stopped.wait(LISTEN_RETRY_SECONDS)
 
     def _for_me(self, payload: str) -> bool:
-        """A notification about a turn of this worker's queue, not pinned to another worker."""
+        """A notification about a turn of this worker's queue, aimed at it or at no worker."""
         queue, _, node = payload.partition("\t")
         return queue == settings.AAP_TURN_QUEUE and node in ("", self.node)
 

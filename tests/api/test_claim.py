@@ -11,8 +11,8 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from sessions_app.api.services.sessions import session_create
-from sessions_app.engine import store
-from sessions_app.models import Session
+from sessions_app.engine import queue, store
+from sessions_app.models import Session, Turn, Worker
 from tenancy.models import Tenant
 
 pytestmark = pytest.mark.django_db
@@ -37,22 +37,21 @@ def _queued(session_pk: int) -> str:
         first_seq=1,
         messages=[],
         session_fields={},
+        aim=queue.aimed_worker(),
     )
     return turn_id
 
 
-def _claim_mine(mine: set[str]):
+def _claim_mine(mine: set[str], node: str = "node-a"):
     """Claims as a thread would, until one of `mine` is taken (other tests' waiting turns are
     claimed too, inside this test's transaction); the claim and the statements it took."""
     from datetime import timedelta
 
     from django.utils import timezone
 
-    from sessions_app.engine import queue
-
     for _ in range(1000):
         with CaptureQueriesContext(connection) as queries:
-            taken = queue.claim_next("node-a", 0, timezone.now() - timedelta(seconds=30))
+            taken = queue.claim_next(node, 0, timezone.now() - timedelta(seconds=30))
         if taken is None or taken[0] in mine:
             return taken, len(queries)
     raise AssertionError("never claimed")
@@ -79,3 +78,33 @@ def test_the_fallback_claim_of_one_turn_is_once_too(session_pk):
     claimed = store.claim_turn(turn_id)
     assert claimed is not None and claimed.session == store.session_for_turn(session_pk)
     assert store.claim_turn(turn_id) is None
+
+
+def test_a_turn_wakes_the_live_worker_of_its_queue_with_the_most_free_slots(session_pk):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    tag = uuid.uuid4().hex[:8]
+    now = timezone.now()
+    Worker.objects.all().delete()  # only this test's workers (the test's transaction rolls back)
+    small, large = f"small-{tag}", f"large-{tag}"
+    Worker.objects.create(node=small, concurrency=2, seen_at=now)
+    Worker.objects.create(node=large, concurrency=4, seen_at=now)
+    # Neither another queue's worker nor one whose heartbeat stopped is woken, however free.
+    Worker.objects.create(node=f"elsewhere-{tag}", queue="other", concurrency=99, seen_at=now)
+    Worker.objects.create(node=f"gone-{tag}", concurrency=99, seen_at=now - timedelta(hours=1))
+
+    def aimed_at(turn_id: str) -> str:
+        return Turn.objects.get(id=turn_id).worker_node
+
+    first, second = _queued(session_pk), _queued(session_pk)
+    # Free slots: large 4, then 3 with the first turn waiting for it; small 2.
+    assert [aimed_at(first), aimed_at(second)] == [large, large]
+    # A claim counts the turn against the worker that runs it: small has 1 free, large 3.
+    taken, _ = _claim_mine({first, second}, node=small)
+    assert taken is not None and aimed_at(taken[0]) == small
+    assert aimed_at(_queued(session_pk)) == large
+    # Without a worker seen alive in its queue, the wake-up goes to every worker.
+    Worker.objects.all().delete()
+    assert aimed_at(_queued(session_pk)) == ""

@@ -120,3 +120,65 @@ def test_a_turn_found_on_the_timer_has_the_next_free_thread_look_at_once(engine,
         release.set()
         worker.stop()
         worker.drain(timeout=60)
+
+
+def test_a_stored_turn_wakes_one_worker_not_all(engine, demo, monkeypatch, settings):
+    """Two workers listen on PostgreSQL; each turn's wake-up goes to one of them (the one with
+    the most free slots), so each turn costs one claim, not one per worker."""
+    import psycopg
+    from django.db import connection
+
+    from sessions_app.engine import queue, store
+    from sessions_app.engine.worker import Worker
+    from sessions_app.models import Worker as WorkerRow
+
+    settings.AAP_WORKER_POLL_SECONDS = 3600.0  # no look on a timer: only wake-ups make a look
+    monkeypatch.setattr(queue, "wake", lambda node=None: None)  # the embedded mode's own wake-up
+    workers = [Worker("test-aim-first", 2), Worker("test-aim-second", 2)]
+    claims: dict[str, list] = {worker.node: [] for worker in workers}
+
+    def counted(worker):
+        take = worker.take
+
+        def counting():
+            taken = take()
+            claims[worker.node].append(taken and taken[0])
+            return taken
+
+        return counting
+
+    params = {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}
+
+    def ready() -> bool:
+        """Both listen, and both have written their heartbeat (what a wake-up is aimed by)."""
+        with psycopg.connect(**params, autocommit=True) as conn:
+            (listening,) = conn.execute(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND query = %s",
+                [f'LISTEN "{store.WAKE_CHANNEL}"'],
+            ).fetchone()
+            (beating,) = conn.execute(
+                f"SELECT COUNT(*) FROM {WorkerRow._meta.db_table} WHERE node LIKE 'test-aim-%%'"
+            ).fetchone()
+        return listening >= 2 and beating == 2
+
+    for worker in workers:
+        worker.take = counted(worker)  # type: ignore[method-assign]
+        worker.start()
+    client = engine.client("demo")
+    try:
+        wait_until(ready, message="both workers listening, with their heartbeats written")
+        # Each worker's first looks (as it starts, and as it starts listening) are over.
+        wait_until(lambda: all(w._idle == 2 and not w._look_now for w in workers), message="both workers idle")
+        for worker in workers:
+            claims[worker.node].clear()
+        session = demo.create_session("echo")
+        for number in range(6):
+            result = client.turn(session, user(f"turn {number}"))
+            assert result.body["stopReason"] == "end_turn", result.body
+        looks = claims["test-aim-first"] + claims["test-aim-second"]
+        assert len(looks) == 6 and None not in looks, claims
+    finally:
+        client.close()
+        for worker in workers:
+            worker.stop()
+            worker.drain(timeout=60)

@@ -148,6 +148,7 @@ def _turn_start(
                 **changes,
             },
             node=node or "",
+            aim=None if node else queue.aimed_worker(),
             trace_parent=tracing.trace_parent(),
             read=(room_query.sql, room_query.params) if room_query else None,
         )
