@@ -200,23 +200,38 @@ WAKE = "sessions_app.tasks.wake"
 EMBEDDED_WAKE = "sessions_app.engine.worker.wake_embedded"
 
 
+# A worker's wake-up listener holds this session-level advisory lock (its node's key) while it
+# listens (sessions_app.engine.worker); PostgreSQL releases it the moment that connection
+# ends, as when the worker is killed.
+_LISTENING_NAMESPACE = 0x4141_4C53
+
+
+def listening_key(node_sql: str) -> str:
+    """SQL of the advisory lock key of the worker named by the SQL expression `node_sql`."""
+    return f"(({_LISTENING_NAMESPACE}::bigint << 32) | (hashtext({node_sql})::bigint & 4294967295))"
+
+
 def aimed_worker() -> tuple[str, list] | None:
     """SQL (and its parameters) of one value: the worker a new turn's wake-up goes to, on
     PostgreSQL (store.start_turn reads it in the statement that stores the turn; elsewhere
     None: a Celery message or the embedded worker wakes one already). Of the workers of
-    this queue seen alive, the one with the most free slots (its slots less the turns it
-    runs and the waiting turns aimed at it), ties at random; NULL when none is seen.
+    this queue seen alive and listening (its listener holds its `listening_key`: a shared
+    try of it fails; a success is let go at the commit), the one with the most free slots
+    (its slots less the turns it runs and the waiting turns aimed at it), ties at random;
+    NULL when there is none.
 
     One worker is woken, not all: every worker woken for a turn spends a claim, and only one
     finds it. A worker that cannot take the turn at once (every thread busy) looks when a
     thread frees, and so does any worker's thread that ends while turns wait (store.end_turn).
-    A worker that died within worker_stale_seconds() may be aimed at: its turn waits for
-    another worker's next look (AAP_WORKER_POLL_SECONDS), as for any lost wake-up."""
+    A worker frozen (its heartbeat not yet stale, its connection open) may be aimed at: the
+    turn waits for another worker's next look (AAP_WORKER_POLL_SECONDS), as for any lost
+    wake-up; a killed one is not, its connection gone."""
     if connection.vendor != "postgresql":
         return None
     return (
         f"SELECT w.node FROM {W} w LEFT JOIN (SELECT t.worker_node AS node, COUNT(*) AS n FROM {T} t "
         f"WHERE {_ACTIVE} GROUP BY t.worker_node) a ON a.node = w.node WHERE w.seen_at >= %s AND w.queue = %s "
+        f"AND NOT pg_try_advisory_xact_lock_shared({listening_key('w.node')}) "
         f"ORDER BY w.concurrency - COALESCE(a.n, 0) DESC, random() LIMIT 1",
         [
             connection.ops.adapt_datetimefield_value(timezone.now() - timedelta(seconds=worker_stale_seconds())),

@@ -283,6 +283,12 @@ class Worker:
         while self.serving:
             try:
                 with psycopg.connect(**params, autocommit=True) as conn:
+                    # Wake-ups are aimed at this worker while this connection holds its key
+                    # (queue.aimed_worker); one aimed before it listens is caught up below. A
+                    # web's statement may hold the key shared for a moment; another live
+                    # worker of the same name would hold it for good.
+                    conn.execute("SET lock_timeout = '10s'")
+                    conn.execute(f"SELECT pg_advisory_lock({queue.listening_key('%s')})", [self.node])
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(store.WAKE_CHANNEL)))
                     if failing:
                         logger.warning("wake-ups from PostgreSQL are heard again")

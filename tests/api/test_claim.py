@@ -3,8 +3,10 @@ the same statement (what session_for_turn reads on its own)."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 
+import psycopg
 import pytest
 from django.core.management import call_command
 from django.db import connection
@@ -80,6 +82,17 @@ def test_the_fallback_claim_of_one_turn_is_once_too(session_pk):
     assert store.claim_turn(turn_id) is None
 
 
+@contextlib.contextmanager
+def _listening(*nodes: str):
+    """Each of `nodes` holds its listener's lock, as a worker listening for wake-ups does."""
+    params = {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}
+    with contextlib.ExitStack() as stack:
+        for node in nodes:
+            conn = stack.enter_context(psycopg.connect(**params, autocommit=True))
+            conn.execute(f"SELECT pg_advisory_lock({queue.listening_key('%s')})", [node])
+        yield
+
+
 def test_a_turn_wakes_the_live_worker_of_its_queue_with_the_most_free_slots(session_pk):
     from datetime import timedelta
 
@@ -91,20 +104,22 @@ def test_a_turn_wakes_the_live_worker_of_its_queue_with_the_most_free_slots(sess
     small, large = f"small-{tag}", f"large-{tag}"
     Worker.objects.create(node=small, concurrency=2, seen_at=now)
     Worker.objects.create(node=large, concurrency=4, seen_at=now)
-    # Neither another queue's worker nor one whose heartbeat stopped is woken, however free.
+    # Neither another queue's worker nor one whose heartbeat stopped is woken, however free,
+    # nor one that does not listen (killed: its connection, and its lock, are gone).
     Worker.objects.create(node=f"elsewhere-{tag}", queue="other", concurrency=99, seen_at=now)
     Worker.objects.create(node=f"gone-{tag}", concurrency=99, seen_at=now - timedelta(hours=1))
+    Worker.objects.create(node=f"killed-{tag}", concurrency=99, seen_at=now)
 
     def aimed_at(turn_id: str) -> str:
         return Turn.objects.get(id=turn_id).worker_node
 
-    first, second = _queued(session_pk), _queued(session_pk)
-    # Free slots: large 4, then 3 with the first turn waiting for it; small 2.
-    assert [aimed_at(first), aimed_at(second)] == [large, large]
-    # A claim counts the turn against the worker that runs it: small has 1 free, large 3.
-    taken, _ = _claim_mine({first, second}, node=small)
-    assert taken is not None and aimed_at(taken[0]) == small
-    assert aimed_at(_queued(session_pk)) == large
-    # Without a worker seen alive in its queue, the wake-up goes to every worker.
-    Worker.objects.all().delete()
+    with _listening(small, large, f"elsewhere-{tag}", f"gone-{tag}"):
+        first, second = _queued(session_pk), _queued(session_pk)
+        # Free slots: large 4, then 3 with the first turn waiting for it; small 2.
+        assert [aimed_at(first), aimed_at(second)] == [large, large]
+        # A claim counts the turn against the worker that runs it: small has 1 free, large 3.
+        taken, _ = _claim_mine({first, second}, node=small)
+        assert taken is not None and aimed_at(taken[0]) == small
+        assert aimed_at(_queued(session_pk)) == large
+    # With no worker listening, the wake-up goes to every worker.
     assert aimed_at(_queued(session_pk)) == ""
