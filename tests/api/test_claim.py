@@ -90,6 +90,8 @@ def _listening(*nodes: str):
         for node in nodes:
             conn = stack.enter_context(psycopg.connect(**params, autocommit=True))
             conn.execute(f"SELECT pg_advisory_lock({queue.listening_key('%s')})", [node])
+            # Let go before the connection closes: the server ends a closed one a moment later.
+            stack.callback(conn.execute, "SELECT pg_advisory_unlock_all()")
         yield
 
 
