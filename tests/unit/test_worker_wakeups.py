@@ -49,6 +49,18 @@ class StandIns:
             assert self.looked.wait_for(lambda: self.looks >= count, PATIENCE), f"{self.looks} looks, not {count}"
 
 
+def wait_idle(worker: Worker, threads: int) -> None:
+    """Until `threads` of the worker's threads wait for a wake-up."""
+    idle = threading.Event()
+    for _ in range(int(PATIENCE * 100)):
+        with worker._bell:
+            if worker._idle == threads:
+                idle.set()
+                break
+        idle.wait(0.01)
+    assert idle.is_set(), f"{threads} threads never waited at once"
+
+
 @pytest.fixture
 def worker():
     worker = Worker("test", 1, beats=False)
@@ -84,14 +96,7 @@ def test_a_wake_up_reaches_a_waiting_thread_once(worker):
         assert stand_ins.looked.wait_for(lambda: stand_ins.ran == ["only"], PATIENCE)
     # Then it waits again without another look: the wake-up was spent on the look that found
     # "only", not kept as a debt that makes a free thread look for nothing.
-    idle = threading.Event()
-    for _ in range(int(PATIENCE * 100)):
-        with worker._bell:
-            if worker._idle == 1:
-                idle.set()
-                break
-        idle.wait(0.01)
-    assert idle.is_set()
+    wait_idle(worker, 1)
     assert stand_ins.looks == 2
 
 
@@ -111,14 +116,7 @@ def test_a_wake_up_rung_for_a_free_thread_does_not_make_a_busy_one_look_again():
         stand_ins.release.set()
         with stand_ins.looked:
             assert stand_ins.looked.wait_for(lambda: sorted(stand_ins.ran) == ["long", "short"], PATIENCE)
-        idle = threading.Event()
-        for _ in range(int(PATIENCE * 100)):
-            with worker._bell:
-                if worker._idle == 2:
-                    idle.set()
-                    break
-            idle.wait(0.01)
-        assert idle.is_set()
+        wait_idle(worker, 2)
         assert stand_ins.looks == 3
     finally:
         worker.stop()
