@@ -6,9 +6,9 @@ thread with a free slot claims it (sessions_app.engine.worker, `claim_next`: fai
 tenants by weight, within each tenant's running limit, pinned turns to their worker, in one
 statement). When the turn commits, a worker's bell rings: on PostgreSQL, the notification
 that the turn's insert sent, aimed at one worker (`aimed_worker`; heard by its listener,
-sessions_app.engine.worker); on
-SQLite, a Celery message with no turn in it (to the worker that holds the prompt a turn
-answers, when it is pinned), or, in the embedded mode, this process's own worker. A lost
+sessions_app.engine.worker); on SQLite, a Celery message with no turn in it (to the worker
+that holds the prompt a turn answers, when it is pinned), or, in the embedded mode, this
+process's own worker. A lost
 wake-up costs latency, never a turn: each worker looks for waiting turns every
 AAP_WORKER_POLL_SECONDS while a thread of its is free, and a thread whose turn ends claims
 the next itself. Celery holds no state that must be reconciled with PostgreSQL.

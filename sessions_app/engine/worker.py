@@ -11,12 +11,12 @@ or the embedded mode's, inside the web process; a test can make several without 
   that finds a turn), so a lost wake-up costs latency, never a turn;
 - on PostgreSQL, a listener thread: the statement that stores a turn notifies
   store.WAKE_CHANNEL, delivered when its transaction commits, and each notification for
-  this worker's queue aimed at it (or at no worker: queue.aimed_worker) is a wake-up. A wake-up rings one
-  free thread; one that finds none is not kept as a debt: a thread that frees looks again if
-  a wake-up found no free thread since its last look began (`_missed`), so no turn waits for
-  the timer because it was committed while every thread was busy, and no thread looks for a
-  turn another thread was rung for. Elsewhere the wake-up is a Celery message (SQLite
-  with a broker) or the embedded mode's commit hook;
+  this worker's queue aimed at it (or at no worker: queue.aimed_worker) is a wake-up. A
+  wake-up rings one free thread; one that finds none is not kept as a debt: a thread that
+  frees looks again if a wake-up found no free thread since its last look began
+  (`_missed`), so no turn waits for the timer because it was committed while every thread
+  was busy, and no thread looks for a turn another thread was rung for. Elsewhere the
+  wake-up is a Celery message (SQLite with a broker) or the embedded mode's commit hook;
 - its heartbeat row in PostgreSQL every round, saying how many turns it runs at once (what
   `queued` positions are counted against);
 - a sweep for lost turns every SWEEP_SECONDS on a thread of its own (one worker at a time
@@ -88,7 +88,7 @@ class Worker:
         self._bell = threading.Condition()
         self._rung = 0  # wake-ups rung for waiting threads that have not taken them yet
         self._idle = 0  # slot threads waiting for a wake-up
-        self._missed = 0  # wake-ups that found no free thread (a thread compares it with its last look's)
+        self._missed = 0  # wake-ups that found no free thread (each thread compares its last look's)
         self._looking = False  # a free thread looks for turns every AAP_WORKER_POLL_SECONDS
         self._look_now = False  # the next free thread looks on the timer at once (_look_again)
         self._threads: list[threading.Thread] = []
@@ -206,10 +206,11 @@ class Worker:
 
     def _wait(self, missed: int) -> str | None:
         """Wait for a wake-up (WOKEN), or, for the one free thread that looks on a timer, the
-        next look (TIMER); None once the worker stops. `missed`: the wake-ups that had found no
-        free thread when this thread's last look began; if one did since, it looks at once. The thread that looks
-        on the timer hands that on to another free thread as it stops waiting (it may take a
-        turn and run it): a turn whose wake-up was lost is found while any thread is free."""
+        next look (TIMER); None once the worker stops. `missed`: the wake-ups that had found
+        no free thread when this thread's last look began; if one did since, it looks at once.
+        The thread that looks on the timer hands that on to another free thread as it stops
+        waiting (it may take a turn and run it): a turn whose wake-up was lost is found while
+        any thread is free."""
         with self._bell:
             if self._missed != missed:
                 return WOKEN  # a turn stored after that look began found no thread to look for it
