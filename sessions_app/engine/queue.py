@@ -211,6 +211,14 @@ def listening_key(node_sql: str) -> str:
     return f"(({_LISTENING_NAMESPACE}::bigint << 32) | (hashtext({node_sql})::bigint & 4294967295))"
 
 
+_AIM = (
+    f"SELECT w.node FROM {W} w LEFT JOIN (SELECT t.worker_node AS node, COUNT(*) AS n FROM {T} t "
+    f"WHERE {_ACTIVE} GROUP BY t.worker_node) a ON a.node = w.node WHERE w.seen_at >= %s AND w.queue = %s "
+    f"AND NOT pg_try_advisory_xact_lock_shared({listening_key('w.node')}) "
+    f"ORDER BY w.concurrency - COALESCE(a.n, 0) DESC, random() LIMIT 1"
+)
+
+
 def aimed_worker() -> tuple[str, list] | None:
     """SQL (and its parameters) of one value: the worker a new turn's wake-up goes to, on
     PostgreSQL (store.start_turn reads it in the statement that stores the turn; elsewhere
@@ -229,10 +237,7 @@ def aimed_worker() -> tuple[str, list] | None:
     if connection.vendor != "postgresql":
         return None
     return (
-        f"SELECT w.node FROM {W} w LEFT JOIN (SELECT t.worker_node AS node, COUNT(*) AS n FROM {T} t "
-        f"WHERE {_ACTIVE} GROUP BY t.worker_node) a ON a.node = w.node WHERE w.seen_at >= %s AND w.queue = %s "
-        f"AND NOT pg_try_advisory_xact_lock_shared({listening_key('w.node')}) "
-        f"ORDER BY w.concurrency - COALESCE(a.n, 0) DESC, random() LIMIT 1",
+        _AIM,
         [
             connection.ops.adapt_datetimefield_value(timezone.now() - timedelta(seconds=worker_stale_seconds())),
             settings.AAP_TURN_QUEUE,

@@ -280,7 +280,7 @@ class Worker:
         from psycopg import sql
 
         failing = False
-        params = {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}
+        params = direct_connection_params()
         while self.serving:
             try:
                 with psycopg.connect(**params, autocommit=True) as conn:
@@ -324,6 +324,12 @@ class Worker:
                 logger.warning("the sweep for lost turns failed", exc_info=True)
             finally:
                 connection.close()
+
+
+def direct_connection_params() -> dict:
+    """psycopg.connect()'s arguments for a connection of one's own (outside Django and its
+    pool) to the database of Django's `connection`."""
+    return {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}
 
 
 # This process's worker: a Celery worker's, or the embedded mode's (None until then).

@@ -14,6 +14,7 @@ from django.test.utils import CaptureQueriesContext
 
 from sessions_app.api.services.sessions import session_create
 from sessions_app.engine import queue, store
+from sessions_app.engine.worker import direct_connection_params
 from sessions_app.models import Session, Turn, Worker
 from tenancy.models import Tenant
 
@@ -85,7 +86,7 @@ def test_the_fallback_claim_of_one_turn_is_once_too(session_pk):
 @contextlib.contextmanager
 def _listening(*nodes: str):
     """Each of `nodes` holds its listener's lock, as a worker listening for wake-ups does."""
-    params = {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}
+    params = direct_connection_params()
     with contextlib.ExitStack() as stack:
         for node in nodes:
             conn = stack.enter_context(psycopg.connect(**params, autocommit=True))

@@ -126,10 +126,9 @@ def test_a_stored_turn_wakes_one_worker_not_all(engine, demo, monkeypatch, setti
     """Two workers listen on PostgreSQL; each turn's wake-up goes to one of them (the one with
     the most free slots), so each turn costs one claim, not one per worker."""
     import psycopg
-    from django.db import connection
 
     from sessions_app.engine import queue, store
-    from sessions_app.engine.worker import Worker
+    from sessions_app.engine.worker import Worker, direct_connection_params
     from sessions_app.models import Worker as WorkerRow
 
     settings.AAP_WORKER_POLL_SECONDS = 3600.0  # no look on a timer: only wake-ups make a look
@@ -147,7 +146,7 @@ def test_a_stored_turn_wakes_one_worker_not_all(engine, demo, monkeypatch, setti
 
         return counting
 
-    params = {k: v for k, v in connection.get_connection_params().items() if k != "cursor_factory"}
+    params = direct_connection_params()
 
     def ready() -> bool:
         """Both listen, and both have written their heartbeat (what a wake-up is aimed by)."""
