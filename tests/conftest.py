@@ -208,7 +208,8 @@ def pytest_collection_modifyitems(config, items):
         # pytest-django creates the test database only for tests that ask for it; every tier
         # but unit uses it (reads only, inside a rollback, beside what the service commits).
         # Unit tests touch no database.
-        if tier != "unit":
+        # A test's own mark (transaction=True: other connections see what it commits) stands.
+        if tier != "unit" and item.get_closest_marker("django_db") is None:
             item.add_marker(pytest.mark.django_db)
 
 

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Field
 from django.utils import timezone
 
@@ -353,13 +353,28 @@ def claim_turn(turn_id: str) -> ClaimedTurn | None:
 @dataclass(frozen=True)
 class EndedTurn:
     others_waiting: bool  # as it ended, other turns were waiting for a worker slot
+    message_seq: int  # the session's last message position before the turn's own
+
+
+# A turn's ending and its session's (end_turn): each is completed by its `output_seq` and
+# `message_seq`, its condition and, for the turn, _END_RETURNING.
+_END = (
+    f"UPDATE {T} SET status = %s, stop_reason = %s, cancelled = %s, error = %s, finished_at = %s, "
+    f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, usage_estimated = %s, partial = '', "
+)
+_END_RETURNING = f"RETURNING EXISTS (SELECT 1 FROM {T} w WHERE {waiting('w')}) AS others_waiting"
+_CLOSE = (
+    f"UPDATE {S} SET pending_calls = %s, active_turn_id = NULL, prompt_tokens = prompt_tokens + %s, "
+    f"completion_tokens = completion_tokens + %s, updated_at = %s, "
+)
+# The session's position, read under its lock by the statement's first part.
+_BEFORE = "(SELECT message_seq FROM locked)"
 
 
 def end_turn(
     turn_id: str,
     session_pk: int,
     *,
-    message_seq: int,
     messages: list[dict],
     stop_reason: str,
     cancelled: bool,
@@ -371,67 +386,56 @@ def end_turn(
     usage_estimated: bool = False,
 ) -> EndedTurn | None:
     """running -> done, with the turn's output stored: `messages` appended to the session's
-    history after `message_seq` (its last position, read under the session's lock:
-    lock_session_row), its pending calls stored, its usage added, the active turn cleared.
-    None, writing nothing, when it was no longer running (declared lost, or deleted). One
-    statement on PostgreSQL (data-modifying CTEs, each conditional on the turn's ending).
+    history after its last position, its pending calls stored, its usage added, the active
+    turn cleared. None, writing nothing, when it was no longer running (declared lost, or
+    deleted with its session).
 
-    The same statement says whether other turns wait for a worker slot (a hint for the worker
-    thread that ran this one, sessions_app.engine.worker: no statement of its own). When the
-    turn produced output, the position of its first message is its `output_seq`."""
-    end = (
-        f"UPDATE {T} SET status = %s, stop_reason = %s, cancelled = %s, error = %s, finished_at = %s, "
-        f"prompt_tokens = %s, completion_tokens = %s, model_calls = %s, usage_estimated = %s, partial = '', "
-        f"output_seq = %s WHERE id = %s AND status = %s "
-        f"RETURNING EXISTS (SELECT 1 FROM {T} w WHERE {waiting('w')}) AS others_waiting"
-    )
+    Locks the session's row, then the turn's: the one lock order of every transaction on a
+    session and its turns (docs/api.md, "Guarantees"), so a delete and a turn's end never
+    wait for each other in a cycle. On PostgreSQL it is one statement, which commits on its
+    own outside a transaction: data-modifying CTEs, the first locking the session's row and
+    reading its position, each later one conditional on the turn's ending. The same
+    statement says whether other turns wait for a worker slot (a hint for the worker thread
+    that ran this one, sessions_app.engine.worker: no statement of its own). When the turn
+    produced output, the position of its first message is its `output_seq`."""
     now = _now()
-    end_params = [
-        Turn.DONE,
-        stop_reason,
-        cancelled,
-        error,
-        now,
-        prompt_tokens,
-        completion_tokens,
-        model_calls,
-        usage_estimated,
-        message_seq + 1 if messages else 0,
-        turn_id,
-        Turn.RUNNING,
-    ]
-    close = (
-        f"UPDATE {S} SET message_seq = %s, pending_calls = %s, active_turn_id = NULL, "
-        f"prompt_tokens = prompt_tokens + %s, completion_tokens = completion_tokens + %s, updated_at = %s "
-        f"WHERE id = %s"
-    )
-    close_params = [
-        message_seq + len(messages),
-        _json_param(Session, "pending_calls", pending_calls),
-        prompt_tokens,
-        completion_tokens,
-        now,
-        session_pk,
-    ]
-    rows = _message_rows(session_pk, message_seq + 1, messages, turn_id=turn_id)
-    with connection.cursor() as cursor:
-        if connection.vendor != "postgresql" or len(rows) > INSERT_BATCH:  # SQLite: no writes in a WITH
-            cursor.execute(end, end_params)
-            row = cursor.fetchone()
-            if row is None:
+    end_params = [Turn.DONE, stop_reason, cancelled, error, now, prompt_tokens, completion_tokens]
+    end_params += [model_calls, usage_estimated]
+    close_params = [_json_param(Session, "pending_calls", pending_calls), prompt_tokens, completion_tokens, now]
+    rows = _message_rows(session_pk, 1, messages, turn_id=turn_id)
+    if connection.vendor != "postgresql" or len(rows) > INSERT_BATCH:  # SQLite: no writes in a WITH
+        with transaction.atomic():
+            before = lock_session_row(session_pk)
+            if before is None:
                 return None
-            cursor.execute(close, close_params)
-            insert_message_rows(rows)
-            return EndedTurn(bool(row[0]))
-        sql = f"WITH ended AS ({end}), closed AS ({close} AND EXISTS (SELECT 1 FROM ended))"
-        params = [*end_params, *close_params]
-        if rows:
-            rows_sql, rows_params = _message_insert(rows, when="EXISTS (SELECT 1 FROM ended)")
-            sql += f", added AS ({rows_sql})"
-            params += rows_params
-        cursor.execute(f"{sql} SELECT others_waiting FROM ended", params)
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    f"{_END}output_seq = %s WHERE id = %s AND status = %s {_END_RETURNING}",
+                    [*end_params, before + 1 if messages else 0, turn_id, Turn.RUNNING],
+                )
+                row = cursor.fetchone()
+                if row is None:
+                    return None
+                cursor.execute(
+                    f"{_CLOSE}message_seq = %s WHERE id = %s", [*close_params, before + len(messages), session_pk]
+                )
+            insert_message_rows(_message_rows(session_pk, before + 1, messages, turn_id=turn_id))
+        return EndedTurn(bool(row[0]), before)
+    sql = (
+        f"WITH locked AS MATERIALIZED (SELECT message_seq FROM {S} WHERE id = %s FOR UPDATE), "
+        f"ended AS ({_END}output_seq = CASE WHEN %s THEN {_BEFORE} + 1 ELSE 0 END "
+        f"WHERE id = %s AND status = %s AND EXISTS (SELECT 1 FROM locked) {_END_RETURNING}, {_BEFORE} AS before_seq), "
+        f"closed AS ({_CLOSE}message_seq = {_BEFORE} + %s WHERE id = %s AND EXISTS (SELECT 1 FROM ended))"
+    )
+    params = [session_pk, *end_params, bool(messages), turn_id, Turn.RUNNING, *close_params, len(messages), session_pk]
+    if rows:
+        rows_sql, rows_params = _message_insert(rows, when="EXISTS (SELECT 1 FROM ended)", after=_BEFORE)
+        sql += f", added AS ({rows_sql})"
+        params += rows_params
+    with connection.cursor() as cursor:
+        cursor.execute(f"{sql} SELECT others_waiting, before_seq FROM ended", params)
         row = cursor.fetchone()
-    return EndedTurn(bool(row[0])) if row else None
+    return EndedTurn(bool(row[0]), row[1]) if row else None
 
 
 def heartbeat(turn_ids: list[str], partials: dict[str, str]) -> None:
@@ -484,16 +488,20 @@ def insert_messages(
     return [first_seq + offset for offset in range(len(messages))]
 
 
-def _message_insert(batch: list[tuple], *, when: str = "") -> tuple[str, list]:
+def _message_insert(batch: list[tuple], *, when: str = "", after: str = "0") -> tuple[str, list]:
     """The INSERT of message rows, with its parameters; `when`: a condition the rows are
-    inserted on (inside a statement whose other writes decide it)."""
+    inserted on, and `after`: SQL added to their positions (inside a statement whose other
+    parts decide them)."""
     params = [value for row in batch for value in row]
     columns = f"INSERT INTO {M} (session_id, kind, seq, role, data, turn_id)"
     if not when:
         return f"{columns} VALUES {', '.join(['(%s, %s, %s, %s, %s, %s)'] * len(batch))}", params
     # Typed: a VALUES list under SELECT takes its types from its values, not from the columns.
     values = ", ".join(["(%s::bigint, %s::varchar, %s::bigint, %s::varchar, %s::text, %s::varchar)"] * len(batch))
-    return f"{columns} SELECT * FROM (VALUES {values}) AS v WHERE {when}", params
+    return (
+        f"{columns} SELECT v.session_id, v.kind, v.seq + {after}, v.role, v.data, v.turn_id "
+        f"FROM (VALUES {values}) AS v (session_id, kind, seq, role, data, turn_id) WHERE {when}"
+    ), params
 
 
 def insert_message_rows(rows: list[tuple]) -> None:
@@ -754,7 +762,7 @@ def append_messages(
 def apply_compaction(session_pk: int, message_seq: int, compacted: list[tuple[int, dict]], compaction) -> None:
     """Keep the last `keep_last` compacted messages (never opening on an orphaned tool
     result) behind an optional summary; `full` history is never touched."""
-    if compaction is None or (compaction.keep_last >= len(compacted) and not compaction.summary):
+    if compaction is None or not compaction.rewrites(len(compacted)):
         return
     kept = compacted[-compaction.keep_last :] if compaction.keep_last > 0 else []
     while kept and kept[0][1].get("role") == "tool":

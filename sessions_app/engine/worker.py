@@ -37,6 +37,7 @@ atomically, then `turn_stop` published."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import json
 import logging
@@ -753,40 +754,41 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
             error=sentence,
             stop_meta={**outcome.stop_meta, "error": sentence},
         )
-    with transaction.atomic():
-        # The lock order of every transaction on a session and its turns: the session first
-        # (a delete holding it and waiting for this turn's row would otherwise deadlock).
-        message_seq = store.lock_session_row(session_pk)
-        ended = None if message_seq is None else _end_turn(turn_id, session_pk, message_seq, outcome)
-        if message_seq is None or ended is None:
-            # Deleted with its session, a retry whose first commit went through, or a turn
-            # declared lost while this worker was frozen or cut off: it ended once already,
-            # and what its clients were told then is what history keeps (the fence,
-            # docs/api.md "Guarantees"). The stream gets the stored ending if it lacks one.
-            if _declared_lost(turn_id):
-                logger.warning("turn %s finished after it was declared lost; its answer is not kept", turn_id)
-            transaction.on_commit(lambda: publish_stop_if_missing(turn_id))
-            return True
-        last = message_seq + len(outcome.messages)
-        seqs = list(range(message_seq + 1, last + 1))
-        if outcome.compaction is not None:
-            apply_compaction(session_pk, last, compacted.then(seqs, outcome.messages), outcome.compaction)
-        meta = dict(outcome.stop_meta)
-        if outcome.model_calls:
-            meta["usage"] = {"promptTokens": outcome.prompt_tokens, "completionTokens": outcome.completion_tokens}
-            if outcome.usage_estimated:
-                meta["usage"]["estimated"] = True
-        transaction.on_commit(lambda: publish_stop(turn_id, outcome.stop_reason, meta, seq=outcome.last_seq + 1))
+    compaction = outcome.compaction
+    if compaction is not None and not compaction.rewrites(len(compacted.seqs) + len(outcome.messages)):
+        compaction = None
+    # The session's row is locked first, then the turn's, by store.end_turn: a turn's end with
+    # nothing to compact is one statement, and a compaction joins it in one transaction.
+    with transaction.atomic() if compaction is not None else contextlib.nullcontext():
+        ended = _end_turn(turn_id, session_pk, outcome)
+        if ended is not None and compaction is not None:
+            last = ended.message_seq + len(outcome.messages)
+            seqs = list(range(ended.message_seq + 1, last + 1))
+            apply_compaction(session_pk, last, compacted.then(seqs, outcome.messages), compaction)
+    if ended is None:
+        # Deleted with its session, a retry whose first commit went through, or a turn
+        # declared lost while this worker was frozen or cut off: it ended once already, and
+        # what its clients were told then is what history keeps (the fence, docs/api.md
+        # "Guarantees"). The stream gets the stored ending if it lacks one.
+        if _declared_lost(turn_id):
+            logger.warning("turn %s finished after it was declared lost; its answer is not kept", turn_id)
+        transaction.on_commit(lambda: publish_stop_if_missing(turn_id))
+        return True
+    meta = dict(outcome.stop_meta)
+    if outcome.model_calls:
+        meta["usage"] = {"promptTokens": outcome.prompt_tokens, "completionTokens": outcome.completion_tokens}
+        if outcome.usage_estimated:
+            meta["usage"]["estimated"] = True
+    transaction.on_commit(lambda: publish_stop(turn_id, outcome.stop_reason, meta, seq=outcome.last_seq + 1))
     return ended.others_waiting
 
 
-def _end_turn(turn_id: str, session_pk: int, message_seq: int, outcome: host.TurnOutcome) -> store.EndedTurn | None:
-    """running -> done with the outcome's stop reason, error, usage and messages, appended
-    after the session's position `message_seq` (store.end_turn)."""
+def _end_turn(turn_id: str, session_pk: int, outcome: host.TurnOutcome) -> store.EndedTurn | None:
+    """running -> done with the outcome's stop reason, error, usage and messages, appended to
+    the session's history (store.end_turn)."""
     return store.end_turn(
         turn_id,
         session_pk,
-        message_seq=message_seq,
         messages=outcome.messages,
         stop_reason=outcome.stop_reason,
         cancelled=outcome.cancelled,

@@ -214,7 +214,6 @@ def test_one_statement_ends_a_turn_stores_its_output_and_says_whether_others_wai
     Session.objects.filter(pk=session_pk).update(active_turn_id=running, message_seq=4, prompt_tokens=10)
     answer = [{"role": "assistant", "content": "one"}, {"role": "assistant", "content": "two"}]
     ending = {
-        "message_seq": 4,
         "messages": answer,
         "stop_reason": "end_turn",
         "cancelled": False,
@@ -227,7 +226,7 @@ def test_one_statement_ends_a_turn_stores_its_output_and_says_whether_others_wai
     with CaptureQueriesContext(connection) as queries:
         ended = store.end_turn(running, session_pk, **ending)
     assert len(queries) == 1, [q["sql"] for q in queries]
-    assert ended == store.EndedTurn(others_waiting=True)
+    assert ended == store.EndedTurn(others_waiting=True, message_seq=4)
     turn, session = Turn.objects.get(id=running), Session.objects.get(pk=session_pk)
     assert (turn.status, turn.output_seq, turn.prompt_tokens) == (Turn.DONE, 5, 7)  # its output starts at 5
     assert (session.active_turn_id, session.message_seq, session.prompt_tokens) == (None, 6, 17)
