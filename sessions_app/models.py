@@ -46,13 +46,29 @@ class Session(models.Model):
     """
 
     public_id = models.CharField(max_length=64, unique=True, default=new_session_id, editable=False)
-    tenant = models.ForeignKey("hosting.Tenant", on_delete=models.CASCADE, related_name="sessions")
+    # Its own index would repeat the first column of session_tenant_newest.
+    tenant = models.ForeignKey("hosting.Tenant", on_delete=models.CASCADE, related_name="sessions", db_index=False)
     agent = models.ForeignKey("agents.Agent", on_delete=models.CASCADE, related_name="sessions")
     options = OrderedJSONField(default=dict, blank=True)
     server_tools = OrderedJSONField(null=True, blank=True)
     client_tools = OrderedJSONField(null=True, blank=True)
     pending_calls = models.JSONField(default=list, blank=True)
-    active_turn = models.ForeignKey("Turn", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # The turn queued or running on this session, kept by the engine: set by the statement
+    # that stores a turn, cleared by the one that ends it. Neither indexed nor a foreign key
+    # in the database, so those two updates leave every index of the row as it was
+    # (PostgreSQL's HOT updates: no new index entries, twice per turn). Nothing looks a
+    # session up by it; a turn is deleted with its session, and a turn deleted on its own
+    # (Django admin) leaves an id that no turn has, read as no active turn
+    # (api.services.turns._end_active_if_lost).
+    active_turn = models.ForeignKey(
+        "Turn",
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        related_name="+",
+        db_constraint=False,
+        db_index=False,
+    )
     message_seq = models.BigIntegerField(default=0)
     prompt_tokens = models.BigIntegerField(default=0)
     completion_tokens = models.BigIntegerField(default=0)
@@ -72,7 +88,8 @@ class Message(models.Model):
     FULL, COMPACTED = "full", "compacted"
     KINDS = [(FULL, "full"), (COMPACTED, "compacted")]
 
-    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="messages")
+    # Its own index would repeat the first column of unique_message_position.
+    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="messages", db_index=False)
     kind = models.CharField(max_length=9, choices=KINDS)
     seq = models.BigIntegerField()
     role = models.CharField(max_length=16)
