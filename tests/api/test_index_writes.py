@@ -71,13 +71,20 @@ def test_no_index_of_the_turn_path_repeats_another_or_serves_prefix_matches():
     assert {key: found for key, found in leading.items() if len(found) > 1} == {}
 
 
-def test_a_turn_deleted_on_its_own_leaves_its_session_usable(api):
-    """An operator deleting a queued or running turn (Django admin) leaves the session's
-    pointer to it; the next turn reads it as no active turn."""
+def test_a_turn_deleted_on_its_own_leaves_its_session_usable(api, admin_client):
+    """An operator deleting a queued or running turn in Django admin leaves the session's
+    pointer to it: the session's pages, its next turn and its deletion read it as no
+    active turn."""
     session_id = api.create_session()
     turn = _start(api, session_id)
-    Turn.objects.filter(id=turn.id).delete()
-    assert Session.objects.get(public_id=session_id).active_turn_id == turn.id
+    deleted = admin_client.post(f"/admin/sessions_app/turn/{turn.id}/delete/", {"post": "yes"})
+    assert deleted.status_code == 302 and not Turn.objects.filter(id=turn.id).exists()
+    session = Session.objects.get(public_id=session_id)
+    assert session.active_turn_id == turn.id
+    assert admin_client.get(f"/admin/sessions_app/session/{session.pk}/change/").status_code == 200
     assert api.get(f"/v1/sessions/{session_id}").status_code == 200
     following = _start(api, session_id)
     assert Session.objects.get(public_id=session_id).active_turn_id == following.id
+    Turn.objects.filter(id=following.id).delete()
+    assert api.delete(f"/v1/sessions/{session_id}").status_code == 204
+    assert not Session.objects.filter(public_id=session_id).exists()

@@ -105,7 +105,7 @@ def session_delete(*, tenant, session_id: str) -> None:
     (worker._finish) takes too, so a delete never waits on a turn in a cycle."""
     with transaction.atomic():
         session = _session_for_update(tenant, session_id)
-        turn = session.active_turn
+        turn = Turn.objects.filter(id=session.active_turn_id).first() if session.active_turn_id else None
         if turn is not None and turn.status != Turn.DONE:
             events.backend().request_cancel_sync(turn.id)
             turn_id = turn.id
