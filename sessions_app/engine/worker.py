@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, close_old_connections, connection, transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.utils import timezone
 
 from agents.models import Agent
@@ -259,9 +259,8 @@ class Worker:
                 # Never raised further: the thread serves on, and the turn, still `running`
                 # with no heartbeat, ends as lost.
                 logger.error("turn %s failed on its worker thread", turn_id, exc_info=True)
+                connection.close()  # whatever state it was left in: the pool checks it on return
                 return True
-            finally:
-                close_old_connections()
 
     def _beat_forever(self) -> None:
         while not self._stopped.wait(interval()):

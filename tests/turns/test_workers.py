@@ -181,3 +181,59 @@ def test_a_stored_turn_wakes_one_worker_not_all(engine, demo, monkeypatch, setti
         for worker in workers:
             worker.stop()
             worker.drain(timeout=60)
+
+
+def test_a_thread_running_turns_back_to_back_keeps_its_connection(engine, demo, monkeypatch, settings):
+    """Between a turn's end and its claim of the next waiting turn a slot thread keeps its
+    database connection: it takes one from the pool for the first claim and one for each
+    turn's end (the connection goes back while the agent runs), not two per turn."""
+    from django.db.backends.base.base import BaseDatabaseWrapper
+
+    from sessions_app.engine import queue
+    from sessions_app.engine.worker import Worker
+    from sessions_app.models import Turn
+
+    settings.AAP_WORKER_POLL_SECONDS = 3600.0
+    monkeypatch.setattr(queue, "wake", lambda node=None: None)  # stored turns wait for this test's worker
+    worker = Worker("test-back-to-back", 1, beats=False)
+    slots: set[int] = set()
+    serve = worker._serve
+
+    def serving():
+        slots.add(threading.get_ident())
+        serve()
+
+    worker._serve = serving  # type: ignore[method-assign]
+    connects: list[str] = []
+    connect = BaseDatabaseWrapper.connect
+
+    def counted(self):
+        if threading.get_ident() in slots:
+            connects.append(threading.current_thread().name)
+        return connect(self)
+
+    monkeypatch.setattr(BaseDatabaseWrapper, "connect", counted)
+    sessions = [demo.create_session("echo") for _ in range(4)]
+    results: dict = {}
+
+    def send(session):
+        client = engine.client("demo")
+        try:
+            results[session] = client.turn(session, user("hello"))
+        finally:
+            client.close()
+
+    senders = [threading.Thread(target=send, args=(session,)) for session in sessions]
+    for sender in senders:
+        sender.start()
+    mine = Turn.objects.filter(session__public_id__in=sessions)
+    wait_until(lambda: mine.filter(status=Turn.QUEUED).count() == 4, message="the four turns stored")
+    worker.start()
+    try:
+        for sender in senders:
+            sender.join(60)
+        assert [results[s].body["stopReason"] for s in sessions] == ["end_turn"] * 4
+        assert len(connects) == 5, connects  # the first claim, then each turn's end
+    finally:
+        worker.stop()
+        worker.drain(timeout=60)
