@@ -13,17 +13,7 @@ from sessions_app.models import Session, Turn
 from tenancy.models import Tenant
 
 from .conftest import API_TENANT, own_sessions
-
-ENDING = {
-    "messages": [{"role": "assistant", "content": "done"}],
-    "stop_reason": "end_turn",
-    "cancelled": False,
-    "error": "",
-    "prompt_tokens": 0,
-    "completion_tokens": 0,
-    "model_calls": 0,
-    "pending_calls": [],
-}
+from .test_lock_order import ENDING
 
 
 @pytest.fixture(autouse=True)

@@ -5,6 +5,7 @@ statement holds while it waits for it."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -61,6 +62,21 @@ def _waits_for_a_lock(other: psycopg.Connection) -> None:
     raise AssertionError("the turn's end never waited for the session's lock")
 
 
+@contextlib.contextmanager
+def _end_waiting_for_the_session(turn_id: str, session_pk: int):
+    """Another connection holds the session's row while the turn's end waits for it; what
+    it does inside commits as the block ends, and the end goes on. Yields that connection
+    and where the end's result goes."""
+    with psycopg.connect(**direct_connection_params()) as other:
+        other.execute(f"SELECT 1 FROM {store.S} WHERE id = %s FOR UPDATE", [session_pk])
+        thread, result = _end_in_thread(turn_id, session_pk)
+        _waits_for_a_lock(other)
+        yield other, result
+        other.commit()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
 def _running_turn() -> tuple[str, int]:
     if connection.vendor != "postgresql":
         pytest.skip("the lock order is PostgreSQL's: SQLite serializes writers")
@@ -74,16 +90,11 @@ def test_a_turns_end_waiting_for_its_session_holds_no_lock_on_the_turn():
     """A delete (or the sweep) holding the session can lock the turn while the end waits, so
     the two never wait for each other; once it has ended the turn, the end writes nothing."""
     turn_id, session_pk = _running_turn()
-    with psycopg.connect(**direct_connection_params()) as other:
-        other.execute(f"SELECT 1 FROM {store.S} WHERE id = %s FOR UPDATE", [session_pk])
-        thread, result = _end_in_thread(turn_id, session_pk)
-        _waits_for_a_lock(other)
+    with _end_waiting_for_the_session(turn_id, session_pk) as (other, result):
         # NOWAIT: an error at once if the waiting end had locked the turn's row before the session's.
         other.execute(f"SELECT 1 FROM {store.T} WHERE id = %s FOR UPDATE NOWAIT", [turn_id])
         other.execute(f"UPDATE {store.T} SET status = %s, error = %s WHERE id = %s", [Turn.DONE, "lost", turn_id])
-        other.commit()
-        thread.join(10)
-    assert not thread.is_alive() and result["ended"] is None
+    assert result["ended"] is None
     session = Session.objects.get(pk=session_pk)
     assert (session.message_seq, session.active_turn_id, session.prompt_tokens) == (2, turn_id, 0)
     assert not Message.objects.filter(session_id=session_pk).exists()
@@ -93,14 +104,9 @@ def test_a_turns_end_waiting_for_its_session_holds_no_lock_on_the_turn():
 def test_a_turns_end_reads_the_sessions_position_after_its_lock():
     """What a transaction holding the session committed is what the end appends after."""
     turn_id, session_pk = _running_turn()
-    with psycopg.connect(**direct_connection_params()) as other:
-        other.execute(f"SELECT 1 FROM {store.S} WHERE id = %s FOR UPDATE", [session_pk])
-        thread, result = _end_in_thread(turn_id, session_pk)
-        _waits_for_a_lock(other)
+    with _end_waiting_for_the_session(turn_id, session_pk) as (other, result):
         other.execute(f"UPDATE {store.S} SET message_seq = 7 WHERE id = %s", [session_pk])
-        other.commit()
-        thread.join(10)
-    assert not thread.is_alive() and result["ended"].message_seq == 7
+    assert result["ended"].message_seq == 7
     assert Session.objects.get(pk=session_pk).message_seq == 8
     assert list(Message.objects.filter(session_id=session_pk).values_list("kind", "seq").order_by("kind")) == [
         (Message.COMPACTED, 8),
