@@ -74,10 +74,6 @@ class Compaction:
     keep_last: int
     summary: list[dict] = field(default_factory=list)
 
-    def rewrites(self, count: int) -> bool:
-        """Whether it changes a compacted history of `count` messages."""
-        return self.keep_last < count or bool(self.summary)
-
 
 class TurnContext(Protocol):
     """What the host gives a runtime for one turn."""

@@ -399,9 +399,19 @@ def end_turn(
     that ran this one, sessions_app.engine.worker: no statement of its own). When the turn
     produced output, the position of its first message is its `output_seq`."""
     now = _now()
-    end_params = [Turn.DONE, stop_reason, cancelled, error, now, prompt_tokens, completion_tokens]
-    end_params += [model_calls, usage_estimated]
+    end_params = [
+        Turn.DONE,
+        stop_reason,
+        cancelled,
+        error,
+        now,
+        prompt_tokens,
+        completion_tokens,
+        model_calls,
+        usage_estimated,
+    ]
     close_params = [_json_param(Session, "pending_calls", pending_calls), prompt_tokens, completion_tokens, now]
+    # Positions from 1, each added to the session's last one once it is read under its lock.
     rows = _message_rows(session_pk, 1, messages, turn_id=turn_id)
     if connection.vendor != "postgresql" or len(rows) > INSERT_BATCH:  # SQLite: no writes in a WITH
         with transaction.atomic():
@@ -419,7 +429,7 @@ def end_turn(
                 cursor.execute(
                     f"{_CLOSE}message_seq = %s WHERE id = %s", [*close_params, before + len(messages), session_pk]
                 )
-            insert_message_rows(_message_rows(session_pk, before + 1, messages, turn_id=turn_id))
+            insert_message_rows([(pk, kind, seq + before, *rest) for pk, kind, seq, *rest in rows])
         return EndedTurn(bool(row[0]), before)
     sql = (
         f"WITH locked AS MATERIALIZED (SELECT message_seq FROM {S} WHERE id = %s FOR UPDATE), "
@@ -759,10 +769,16 @@ def append_messages(
     return seqs
 
 
+def compaction_rewrites(compaction, count: int) -> bool:
+    """Whether `compaction` (a runtime's Compaction, or None) changes a compacted history of
+    `count` messages."""
+    return compaction is not None and (compaction.keep_last < count or bool(compaction.summary))
+
+
 def apply_compaction(session_pk: int, message_seq: int, compacted: list[tuple[int, dict]], compaction) -> None:
     """Keep the last `keep_last` compacted messages (never opening on an orphaned tool
     result) behind an optional summary; `full` history is never touched."""
-    if compaction is None or not compaction.rewrites(len(compacted)):
+    if not compaction_rewrites(compaction, len(compacted)):
         return
     kept = compacted[-compaction.keep_last :] if compaction.keep_last > 0 else []
     while kept and kept[0][1].get("role") == "tool":

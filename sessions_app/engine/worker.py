@@ -753,9 +753,8 @@ def _finish(turn_id: str, session_pk: int, outcome: host.TurnOutcome, compacted:
             error=sentence,
             stop_meta={**outcome.stop_meta, "error": sentence},
         )
-    compaction = outcome.compaction
-    if compaction is not None and not compaction.rewrites(len(compacted.seqs) + len(outcome.messages)):
-        compaction = None
+    rewrites = store.compaction_rewrites(outcome.compaction, len(compacted.seqs) + len(outcome.messages))
+    compaction = outcome.compaction if rewrites else None
     # The session's row is locked first, then the turn's, by store.end_turn: a turn's end with
     # nothing to compact is one statement, and a compaction joins it in one transaction.
     with transaction.atomic() if compaction is not None else contextlib.nullcontext():

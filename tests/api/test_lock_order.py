@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 
 import psycopg
 import pytest
@@ -17,6 +16,7 @@ from sessions_app.engine import store
 from sessions_app.engine.worker import direct_connection_params
 from sessions_app.models import Message, Session, Turn
 
+from ..turn_checks import wait_until
 from .test_fair_dispatch import _tenant, _turns
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -49,17 +49,16 @@ def _end_in_thread(turn_id: str, session_pk: int) -> tuple[threading.Thread, dic
 
 def _waits_for_a_lock(other: psycopg.Connection) -> None:
     """Until the ending's backend waits for a lock (the session's row, held by `other`)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def waiting() -> int:
         other.execute("SELECT pg_stat_clear_snapshot()")  # inside its transaction, the view is read once
-        row = other.execute(
+        (count,) = other.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
             "AND wait_event_type = 'Lock' AND query LIKE 'WITH locked%%'"
         ).fetchone()
-        if row and row[0]:
-            return
-        time.sleep(0.02)
-    raise AssertionError("the turn's end never waited for the session's lock")
+        return count
+
+    wait_until(waiting, timeout=10, interval=0.02, message="the turn's end to wait for the session's lock")
 
 
 @contextlib.contextmanager

@@ -13,6 +13,8 @@ import pytest
 
 from sessions_app.engine.worker import Worker
 
+from ..turn_checks import wait_until
+
 PATIENCE = 10.0  # seconds a stand-in waits for what must happen; never reached when it works
 
 
@@ -51,14 +53,12 @@ class StandIns:
 
 def wait_idle(worker: Worker, threads: int) -> None:
     """Until `threads` of the worker's threads wait for a wake-up."""
-    idle = threading.Event()
-    for _ in range(int(PATIENCE * 100)):
+
+    def idle() -> bool:
         with worker._bell:
-            if worker._idle == threads:
-                idle.set()
-                break
-        idle.wait(0.01)
-    assert idle.is_set(), f"{threads} threads never waited at once"
+            return worker._idle == threads
+
+    wait_until(idle, timeout=PATIENCE, interval=0.01, message=f"{threads} threads waiting at once")
 
 
 @pytest.fixture
