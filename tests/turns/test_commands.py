@@ -94,7 +94,8 @@ def test_token_commands_explain_what_is_wrong(db_access):
 # --- seed_demo --------------------------------------------------------------------------------------
 
 
-def test_seed_demo_is_idempotent_and_prints_a_working_token(client, db_access):
+def test_seed_demo_is_idempotent_and_prints_a_working_token(client, engine, db_access):
+    """On a database `engine` has already seeded, as a restart finds it."""
     from agents.models import Agent, AgentOption, ServerTool
     from tenancy.models import Tenant
 
@@ -225,7 +226,8 @@ def test_apply_agents_from_yaml_and_json_is_idempotent(client, engine, db_access
     assert "t2-beta" in meta(client)
 
 
-def test_apply_agents_stores_secret_defaults_encrypted(db_access, tmp_path):
+def test_apply_agents_stores_secret_defaults_encrypted(engine, db_access, tmp_path):
+    """`engine` seeds the tenant `demo` that ALPHA is restricted to."""
     from infra import crypto
 
     call("apply_agents", write(tmp_path, "a.yaml", [ALPHA]))
