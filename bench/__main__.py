@@ -120,6 +120,9 @@ def main() -> int:
     fd_limit = raise_fd_limit()
     log_dir = Path(tempfile.mkdtemp(prefix="aap-bench-logs-"))
     stack = BenchStack(log_dir=log_dir)
+    # Scenario 6 seeds sessions with up to 10,000 messages, more than the service lets a
+    # tenant send by default (AAP_MAX_SEED_MESSAGES): the bench raises it as an operator would.
+    stack.env["AAP_MAX_SEED_MESSAGES"] = str(max(profile.history_lengths))
     log(f"==> bench profile '{profile.name}', logs in {log_dir}, open-files limit {fd_limit}")
     bench = Bench(stack, profile, log)
     # Waiting for database room must leave time for the open-streams scenario and teardown.
