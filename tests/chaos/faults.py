@@ -69,12 +69,13 @@ class Outcome:
         return body if body and "stopReason" in body else None
 
 
-def request(stack, method: str, path: str, *, json_body=None, headers=None) -> Outcome:
-    """Send a request and read its whole response, on the calling thread."""
+def request(stack, method: str, path: str, *, json_body=None, headers=None, content: bytes | None = None) -> Outcome:
+    """Send a request (`json_body`, or the bytes `content`) and read its whole response, on the
+    calling thread."""
     outcome = Outcome()
     aap = client(stack)
     try:
-        with aap.http.stream(method, path, json=json_body, headers=headers) as response:
+        with aap.http.stream(method, path, json=json_body, content=content, headers=headers) as response:
             outcome.status, outcome.headers = response.status_code, response.headers
             for chunk in response.iter_bytes():
                 outcome.raw += chunk
