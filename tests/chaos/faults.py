@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import psycopg
@@ -184,3 +185,11 @@ class Database:
             rows = conn.execute("SELECT * FROM sessions_app_turn WHERE id = ANY(%s)", [turn_ids]).fetchall()
         # `partial`: the output checkpoint (absent from schemas before durable turns)
         return {row["id"]: (row["status"], row.get("partial", "-")) for row in rows}
+
+
+def rss(pid: int) -> int:
+    """A process's resident memory, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")

@@ -10,8 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from .faults import request
-from .test_slow_readers import _rss
+from .faults import request, rss
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,13 +44,13 @@ def test_bodies_near_the_limit_leave_the_web_process_its_size(chaos):
             outcomes = list(pool.map(lambda _: request(chaos, "GET", "/v1/sessions"), range(48)))
             assert all(o.status == 200 for o in outcomes), {o.status for o in outcomes}
     _refused(chaos, session_id, body)  # what a refusal imports and caches, before measuring
-    before = _rss(web)
+    before = rss(web)
 
     # Two at a time: the bodies land on different view threads.
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda _: _refused(chaos, session_id, body), range(BODIES)))
     time.sleep(1.0)
-    after = _rss(web)
+    after = rss(web)
     growth = after - before
     print(f"web process: {before / 2**20:.0f} MiB, {after / 2**20:.0f} MiB after {BODIES} bodies of 7 MB")
     # With glibc's rising threshold the process kept 150-330 MiB more: a few copies of a body

@@ -9,24 +9,16 @@ from __future__ import annotations
 
 import socket
 import time
-from pathlib import Path
 
 import pytest
 
-from .faults import folded, history, new_sessions, request, user
+from .faults import folded, history, new_sessions, request, rss, user
 
 pytestmark = pytest.mark.timeout(300)
 
 READERS = 40
 WORD = "x" * 999 + " "
 TEXT = WORD * 3500  # 3.5 MB: one delta per word, the answer "echo: " + TEXT
-
-
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def _silent_reader(port: int, path: str, token: str) -> socket.socket:
@@ -71,12 +63,12 @@ def test_clients_that_do_not_read_are_dropped_and_hold_little(chaos):
     web = chaos.web.pid
     log = chaos.log_dir / f"{chaos.name}-daphne.log"
     dropped_before = log.read_text(errors="replace").count("dropped a response")
-    before = _rss(web)
+    before = rss(web)
     readers = [_silent_reader(chaos.port, path, chaos.tokens["demo"]) for _ in range(READERS)]
     peak = before
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        peak = max(peak, _rss(web))
+        peak = max(peak, rss(web))
         dropped = log.read_text(errors="replace").count("dropped a response") - dropped_before
         if dropped >= READERS:
             break
