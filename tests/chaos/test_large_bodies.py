@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from .faults import request, rss
+from .faults import history, new_sessions, request, rss
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,9 +32,7 @@ def _refused(chaos, session: str, body: bytes) -> None:
 
 def test_bodies_near_the_limit_leave_the_web_process_its_size(chaos):
     chaos.ensure_up()
-    session = request(chaos, "POST", "/v1/sessions", json_body={"agent": {"name": "echo"}})
-    assert session.status == 201, session.raw[:300]
-    session_id = json.loads(session.raw)["sessionId"]
+    session_id = new_sessions(chaos, 1)[0]
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}] * MESSAGES}).encode()
     web = chaos.web.pid
 
@@ -58,5 +56,4 @@ def test_bodies_near_the_limit_leave_the_web_process_its_size(chaos):
     assert growth < 96 * 2**20, f"the web process kept {growth / 2**20:.0f} MiB after {BODIES} refused bodies"
 
     # The service still answers, and the session took no turn.
-    history = request(chaos, "GET", f"/v1/sessions/{session_id}/history?type=full")
-    assert history.status == 200 and json.loads(history.raw)["history"]["full"] == []
+    assert history(chaos, session_id) == []
