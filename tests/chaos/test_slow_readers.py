@@ -76,7 +76,7 @@ def test_clients_that_do_not_read_are_dropped_and_hold_little(chaos):
     growth = peak - before
     print(f"web process: {before / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB with {READERS} silent readers")
     # Buffered whole, 40 copies of the stream would be 40 x 3.5 MB of bytes alone; each reader
-    # may hold one read round (events.base.ROUND_BYTES, parsed) and the socket's write buffer.
+    # may hold one read round (events.ROUND_BYTES, parsed) and the socket's write buffer.
     assert growth < 32 * 1024 * 1024, f"the web process grew by {growth / 2**20:.0f} MiB for {READERS} silent readers"
     assert dropped == READERS, f"{dropped} of {READERS} silent readers dropped"
     received = [_drain(sock) for sock in readers]

@@ -11,9 +11,7 @@ import uuid
 import pytest
 
 from infra.redis_connections import RedisConnections
-from sessions_app.engine.events import StreamEnded
-from sessions_app.engine.events.memory import MemoryEvents
-from sessions_app.engine.events.redis import RedisEvents
+from sessions_app.engine.events import MemoryEvents, RedisEvents, StreamEnded
 
 START = {"event": "turn_start"}
 DELTA = {"event": "text_delta", "delta": "a"}

@@ -54,7 +54,7 @@ def test_a_follower_sends_an_event_published_twice_once(monkeypatch):
     import contextlib
 
     from sessions_app.engine import events
-    from sessions_app.engine.events.base import Entries, Watcher
+    from sessions_app.engine.events import Entries, Watcher
 
     start, a, b, stop = (
         {"event": "turn_start"},
@@ -88,7 +88,7 @@ def test_a_follower_sends_an_event_published_twice_once(monkeypatch):
 def test_a_follower_reads_a_long_stream_in_rounds_sized_by_bytes():
     """A follower replaying a stream asks for few entries at first, more while they are
     small, and few again once they are large: it holds about one round, never the turn."""
-    from sessions_app.engine.events.base import MAX_COUNT, MIN_COUNT, ROUND_BYTES, Entries, next_count
+    from sessions_app.engine.events import MAX_COUNT, MIN_COUNT, ROUND_BYTES, Entries, next_count
 
     def read(n: int, size: int) -> Entries:
         entries = Entries([(i, {}) for i in range(n)])
@@ -110,7 +110,7 @@ def test_a_follower_goes_on_reading_after_a_full_round(monkeypatch):
     import contextlib
 
     from sessions_app.engine import events
-    from sessions_app.engine.events.base import Entries, Watcher
+    from sessions_app.engine.events import Entries, Watcher
 
     stream = [(1, {"event": "turn_start"})]
     stream += [(i, {"event": "text_delta", "delta": "x" * 100_000}) for i in range(2, 40)]
@@ -148,7 +148,7 @@ def test_a_follower_does_not_read_again_for_events_its_read_already_gave(monkeyp
     import contextlib
 
     from sessions_app.engine import events
-    from sessions_app.engine.events.base import Entries, Watcher
+    from sessions_app.engine.events import Entries, Watcher
 
     start, a, stop = (
         {"event": "turn_start"},

@@ -1,9 +1,19 @@
-"""The production event backend: Redis streams, pub/sub notifications, leases, cancel flags.
+"""A turn's live events, its liveness lease and its cancel signal.
 
-Every write to a turn's stream goes through one Lua script (`_APPEND`), so it is refused, as a
-whole, once the stream has ended: the `turn_stop` that ends it sets the turn's end fence in the
-same script. A worker that was frozen past its lease and declared lost cannot write after the
-ending its turn's clients were told (docs/api.md, "Guarantees")."""
+With REDIS_URL the events of a turn are a Redis stream (`aap:ev:<turn>`) written by the
+worker and read by any web process: entries keep the event's sequence number as their id
+(`0-<seq>`), so a reader that starts late still gets every event from the first, in order,
+once each, and `Last-Event-ID` re-attaches exactly. Without REDIS_URL (embedded mode) the
+same interface is served from memory inside the web process.
+
+Redis carries only what can be lost: a lost stream breaks a live view of a turn, never the
+session or its history, which live in PostgreSQL.
+
+With Redis, every write to a turn's stream goes through one Lua script (`_APPEND`), so it is
+refused, as a whole, once the stream has ended: the `turn_stop` that ends it sets the turn's
+end fence in the same script. A worker that was frozen past its lease and declared lost
+cannot write after the ending its turn's clients were told (docs/api.md, "Guarantees").
+"""
 
 from __future__ import annotations
 
@@ -11,22 +21,207 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from functools import cache
 from typing import TYPE_CHECKING
 
 from django.conf import settings
 
+from infra import redis_connections
 from infra.redis_connections import RedisConnections
-
-from .base import Entries, StreamEnded, Watcher
 
 if TYPE_CHECKING:
     from redis.typing import StreamEntry
 
+__all__ = ["QUIET", "StreamEnded", "Watcher", "backend", "follow", "last_seq_sync", "unreachable"]
+
 logger = logging.getLogger(__name__)
 
-# --- the Redis keys and channels of a turn's live events, end fence, lease, dispatch mark and
-# cancel flag ---
+
+# --- what both backends (memory and Redis, below) are built from: a read of a turn's stream
+# (its (seq, event) pairs and how many bytes they came as), what a follower waits on, and the
+# end of a stream ---
+
+
+class Entries(list):
+    """(seq, event) pairs in order; `size`: the bytes read for them (0 where nothing is copied)."""
+
+    size = 0
+
+
+# A follower reads a stream in rounds of at most this many bytes about (entries are at most
+# host.JOINED_CHARS): it holds one round while its client is slow, not the whole turn.
+ROUND_BYTES = 64 * 1024
+MIN_COUNT, MAX_COUNT = 4, 500
+
+
+def next_count(count: int, read: Entries) -> int:
+    """How many entries the next round asks for, after a round of `count` gave `read`."""
+    if read.size > ROUND_BYTES:
+        return MIN_COUNT
+    if len(read) >= count and read.size < ROUND_BYTES // 4:
+        return min(MAX_COUNT, count * 4)
+    return count
+
+
+# --- what a follower of a turn waits on, whichever backend serves the events ---
+
+
+class Watcher:
+    """A follower's inbox: events pushed as they are published, and a wake-up signal."""
+
+    __slots__ = ("pushed", "wake")
+
+    def __init__(self):
+        self.wake = asyncio.Event()
+        self.pushed: list[tuple[int, dict]] = []
+
+    def deliver(self, items: list[tuple[int, dict]]) -> None:
+        self.pushed.extend(items)
+        self.wake.set()
+
+    def take(self, after: int) -> list[tuple[int, dict]]:
+        items = [item for item in self.pushed if item[0] > after]
+        self.pushed.clear()
+        return items
+
+
+# --- the end of a turn's stream: after its `turn_stop` the stream takes no more events ---
+
+
+class StreamEnded(Exception):
+    """A write to a turn's stream after its `turn_stop`: the turn has ended (declared lost
+    while its worker was frozen, say) and the writer's events would come after its ending."""
+
+    def __init__(self, turn_id: str):
+        super().__init__(f"the stream of turn {turn_id} has ended")
+        self.turn_id = turn_id
+
+
+# --- the embedded mode's backend: the same interface as RedisEvents, inside one process ---
+
+
+class _MemoryLog:
+    __slots__ = ("events", "expires_at", "waiters")
+
+    def __init__(self):
+        self.events: list[tuple[int, dict]] = []
+        self.waiters: list[tuple[asyncio.AbstractEventLoop, Watcher]] = []
+        self.expires_at: float | None = None
+
+
+class MemoryEvents:
+    """The embedded mode's event stream: one process, any threads, any event loops."""
+
+    def __init__(self):
+        self._logs: dict[str, _MemoryLog] = {}
+        self._leases: dict[str, float] = {}
+        self._cancelled: set[str] = set()
+        self._cancel_handlers: list[Callable[[str], None]] = []
+        self._lock = threading.Lock()
+
+    def _log(self, turn_id: str) -> _MemoryLog:
+        log = self._logs.get(turn_id)
+        if log is None:
+            log = self._logs[turn_id] = _MemoryLog()
+        return log
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for turn_id in [t for t, log in self._logs.items() if log.expires_at and log.expires_at < now]:
+            del self._logs[turn_id]
+
+    def publish_sync(self, turn_id: str, seq: int, event: dict, *, final: bool = False) -> None:
+        with self._lock:
+            log = self._log(turn_id)
+            if log.events and log.events[-1][1].get("event") == "turn_stop":
+                raise StreamEnded(turn_id)
+            if log.events and log.events[-1][0] >= seq:
+                if not final:
+                    raise ValueError("event ids must increase")
+                seq = log.events[-1][0] + 1  # the ending is never dropped: it goes last
+            log.events.append((seq, event))
+            if final:
+                log.expires_at = time.monotonic() + settings.AAP_EVENT_RETENTION_SECONDS
+                self._leases.pop(turn_id, None)
+                self._prune()
+            waiters = list(log.waiters)
+        for loop, watcher in waiters:
+            loop.call_soon_threadsafe(watcher.deliver, [(seq, event)])
+
+    async def publish_many(self, turn_id: str, batch: list[tuple[int, dict]], *, expire: bool = True) -> None:
+        for seq, event in batch:
+            self.publish_sync(turn_id, seq, event)
+
+    async def read_now(self, turn_id: str, after: int, count: int = 500) -> Entries:
+        """`size` stays 0: the events are shared, not copied, whatever their number."""
+        with self._lock:
+            log = self._logs.get(turn_id)
+            return Entries([item for item in log.events if item[0] > after][:count] if log else [])
+
+    @contextlib.asynccontextmanager
+    async def watch(self, turn_id: str):
+        waiter = (asyncio.get_running_loop(), Watcher())
+        with self._lock:
+            self._log(turn_id).waiters.append(waiter)
+        try:
+            yield waiter[1]
+        finally:
+            with self._lock:
+                log = self._logs.get(turn_id)
+                if log is not None and waiter in log.waiters:
+                    log.waiters.remove(waiter)
+                if log is not None and not log.waiters and not log.events:
+                    del self._logs[turn_id]  # watched ahead for a turn that was never started
+
+    def read_all_sync(self, turn_id: str) -> list[tuple[int, dict]]:
+        with self._lock:
+            log = self._logs.get(turn_id)
+            return list(log.events) if log else []
+
+    def last_sync(self, turn_id: str) -> tuple[int, dict] | None:
+        with self._lock:
+            log = self._logs.get(turn_id)
+            return log.events[-1] if log and log.events else None
+
+    async def last(self, turn_id: str) -> tuple[int, dict] | None:
+        return self.last_sync(turn_id)
+
+    def set_lease_sync(self, turn_id: str) -> None:
+        self._leases[turn_id] = time.monotonic() + settings.AAP_TURN_LEASE_SECONDS
+
+    def take_lease_sync(self, turn_id: str) -> bool:
+        self.set_lease_sync(turn_id)
+        return turn_id in self._cancelled
+
+    def refresh_leases_sync(self, turn_ids: list[str]) -> None:
+        for turn_id in turn_ids:
+            self.set_lease_sync(turn_id)
+
+    def clear_lease_sync(self, turn_id: str) -> None:
+        self._leases.pop(turn_id, None)
+
+    def lease_alive_sync(self, turn_id: str) -> bool:
+        return self._leases.get(turn_id, 0) > time.monotonic()
+
+    def request_cancel_sync(self, turn_id: str) -> None:
+        self._cancelled.add(turn_id)
+        for handler in list(self._cancel_handlers):
+            handler(turn_id)
+
+    async def listen_cancels(self, on_cancel: Callable[[str], None]) -> None:
+        """Until cancelled: dispatch cancel signals to `on_cancel` (a worker's running turns)."""
+        self._cancel_handlers.append(on_cancel)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self._cancel_handlers.remove(on_cancel)
+
+
+# --- the production backend: Redis streams, pub/sub notifications, leases, cancel flags; the
+# keys and channels of a turn's live events, end fence, lease and cancel flag ---
 
 CANCEL_CHANNEL = "aap:cancel"
 
@@ -347,3 +542,88 @@ class RedisEvents:
             finally:
                 with contextlib.suppress(Exception):  # its connection goes back, or is discarded
                     await pubsub.aclose()
+
+
+# --- what the web and the engine call ---
+
+
+@cache
+def backend() -> RedisEvents | MemoryEvents:
+    connections = redis_connections.connections()
+    return RedisEvents(connections) if connections is not None else MemoryEvents()
+
+
+def unreachable(exc: BaseException) -> bool:
+    """The event source cannot be reached now (Redis restarting, the network), as opposed
+    to a Redis that answers and refuses (full, read-only)."""
+    try:
+        from redis.exceptions import ConnectionError, TimeoutError
+    except ImportError:  # the embedded mode runs without redis-py
+        return False
+    return isinstance(exc, (ConnectionError, TimeoutError, OSError))
+
+
+def last_seq_sync(turn_id: str) -> int:
+    last = backend().last_sync(turn_id)
+    return last[0] if last else 0
+
+
+QUIET = None  # what follow() yields when nothing happened for a while
+
+
+async def follow(
+    turn_id: str, after: int = 0, *, quiet_seconds: float = 5.0, watching: Watcher | None = None
+) -> AsyncIterator[tuple[int, dict] | None]:
+    """Every event of the turn after `after`, live, until its `turn_stop`.
+
+    Yields QUIET when `quiet_seconds` pass with no event, so the caller can ping the client
+    and check that the turn is still alive. `watching`: the turn's watcher, opened (by the
+    caller, who closes it) before its first event was published: the events come from it
+    alone, with no read of the stream to start.
+    """
+    events = backend()
+
+    async def reader_has_the_stop() -> bool:
+        # e.g. an EventSource reconnecting after the end: nothing will ever come after `after`
+        last = await events.last(turn_id)
+        return last is not None and last[0] <= after and last[1].get("event") == "turn_stop"
+
+    async with contextlib.AsyncExitStack() as stack:
+        watcher: Watcher = watching if watching is not None else await stack.enter_async_context(events.watch(turn_id))
+        if after and await reader_has_the_stop():
+            return
+        # The stream is read to replay, to fill a gap, and when woken without events.
+        read = watching is None
+        count = MIN_COUNT  # entries per read, grown while they are small (next_count)
+        while True:
+            woken = watcher.wake.is_set()
+            watcher.wake.clear()  # before reading: a publication during the read is not lost
+            # A wake-up without events: the hub reconnected. (With
+            # events all read already, by the read that ran while they were published, it
+            # is not: nothing is missing then.)
+            delivered = bool(watcher.pushed)
+            items = [] if read else watcher.take(after)
+            read_more = False
+            if read or (items and items[0][0] != after + 1) or (woken and not delivered):
+                asked = count
+                items = await events.read_now(turn_id, after, asked)
+                count = next_count(asked, items)
+                read_more = len(items) >= asked  # a full round: the stream may hold more already
+            read = read_more
+            if not items:
+                try:
+                    async with asyncio.timeout(quiet_seconds):  # no task per wait, unlike wait_for
+                        await watcher.wake.wait()
+                except TimeoutError:
+                    if after and await reader_has_the_stop():
+                        return
+                    read = True  # a missed publication is found here at the latest
+                    yield QUIET
+                continue
+            for seq, event in items:
+                if seq <= after:
+                    continue  # published twice (a write retried after Redis failed): sent once
+                after = seq
+                yield seq, event
+                if event.get("event") == "turn_stop":
+                    return
