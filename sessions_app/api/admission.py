@@ -1,26 +1,35 @@
-"""Admission at the door: a tenant's turn or session is refused with 429 before anything is
-stored when it would pass one of the tenant's limits (infra.limits).
+"""What happens at the door before a session or turn is stored: a tenant's limits, and a
+request that was already let in.
 
-Running and queued turns and sessions are counted in PostgreSQL, inside the transaction
-that stores the new row, under a per-tenant advisory lock: two requests arriving together
-cannot both take the last place, and a refused request leaves nothing behind (its
-transaction rolls back). Turns per minute are a Redis window (infra.limits).
+Limits: a tenant's turn or session is refused with 429 before anything is stored when it would
+pass one of the tenant's limits (infra.limits). Running and queued turns and sessions are
+counted in PostgreSQL, inside the transaction that stores the new row, under a per-tenant
+advisory lock: two requests arriving together cannot both take the last place, and a refused
+request leaves nothing behind (its transaction rolls back). Turns per minute are a Redis
+window (infra.limits).
+
+Idempotency-Key: a retry of a request that created a session or started a turn gets the same
+session or turn back (the IETF draft's semantics, as Stripe uses them). The key is stored in
+the transaction that creates the thing, so a refused request (4xx) stores nothing, its key
+included, and a key is never stored without what it created.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from datetime import UTC, datetime, timedelta
 from datetime import time as dt_time
 
 from django.conf import settings
-from django.db import connection
+from django.db import IntegrityError, connection
 from django.db.models import Count, F, Sum
 from django.utils import timezone
 
 from infra.limits import limits_for, take_turn
-from infra.service_errors import TooManyRequests
+from infra.service_errors import IdempotencyKeyReused, TooManyRequests
 
-from ..models import Session, Turn
+from ..models import IdempotencyKey, Session, Turn
 
 # Advisory lock keys of this module: a namespace in the high bits, the tenant id below.
 _LOCK_NAMESPACE = 0x4141_5000 << 32
@@ -116,3 +125,57 @@ def admit_session(*, tenant) -> None:
             retry_after=_retry_seconds(),
             limit="sessions",
         )
+
+
+# --- Idempotency-Key ---
+
+
+def fingerprint(method: str, path: str, data) -> str:
+    """What makes two requests "the same" for an Idempotency-Key: method, path and JSON body
+    (compared as JSON: key order and spacing do not matter)."""
+    text = json.dumps([method, path, data], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def replayed(tenant, idempotency: tuple[str, str] | None) -> IdempotencyKey | None:
+    """The stored outcome of an earlier request with this key (422 if it was another request)."""
+    if idempotency is None:
+        return None
+    key, print_ = idempotency
+    row = IdempotencyKey.objects.filter(tenant=tenant, key=key).first()
+    if row is None:
+        return None
+    if row.created_at < timezone.now() - timedelta(seconds=settings.AAP_IDEMPOTENCY_SECONDS):
+        row.delete()  # expired: the key may be used afresh
+        return None
+    if row.fingerprint != print_:
+        raise IdempotencyKeyReused(
+            "This Idempotency-Key was already used with a different request; send a new key for a new request."
+        )
+    return row
+
+
+def remember(tenant, idempotency: tuple[str, str] | None, session_public_id: str, turn_id: str = "") -> None:
+    """Store the key with what the request created (inside the creating transaction)."""
+    if idempotency is not None:
+        IdempotencyKey.objects.create(
+            tenant=tenant,
+            key=idempotency[0],
+            fingerprint=idempotency[1],
+            session_public_id=session_public_id,
+            turn_id=turn_id,
+        )
+
+
+def create_once(create, tenant, idempotency: tuple[str, str] | None):
+    """Run `create` -> (created, None); if a concurrent request with the same key committed
+    first, -> (None, its stored key row)."""
+    try:
+        return create(), None
+    except IntegrityError:
+        if idempotency is None:
+            raise
+        row = replayed(tenant, idempotency)
+        if row is None:
+            raise
+        return None, row

@@ -25,7 +25,7 @@ from tenancy.authentication import (
 
 from .. import protocol
 from ..models import Turn
-from . import idempotency_keys, selectors
+from . import admission, selectors
 from .services import sessions, turns
 from .services.validation import check_body_size, check_request_size
 
@@ -71,7 +71,7 @@ def idempotency(request) -> tuple[str, str] | None:
         return None
     if not 1 <= len(key) <= 255 or not key.isprintable() or not key.isascii():
         raise BadRequest("Idempotency-Key must be 1 to 255 printable ASCII characters (e.g. a UUID).")
-    return key, idempotency_keys.fingerprint(request.method, request.path, request.data)
+    return key, admission.fingerprint(request.method, request.path, request.data)
 
 
 class MetaView(APIView):

@@ -129,7 +129,7 @@ def turn_recover_if_lost(turn_id: str) -> bool:
 
 def forget_expired_idempotency_keys() -> int:
     """Delete the Idempotency-Keys older than AAP_IDEMPOTENCY_SECONDS (a key the API finds
-    expired is deleted there too: sessions_app.api.idempotency_keys)."""
+    expired is deleted there too: sessions_app.api.admission)."""
     cutoff = timezone.now() - timedelta(seconds=settings.AAP_IDEMPOTENCY_SECONDS)
     return IdempotencyKey.objects.filter(created_at__lt=cutoff).delete()[0]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from sessions_app.api.idempotency_keys import fingerprint as request_fingerprint
+from sessions_app.api.admission import fingerprint as request_fingerprint
 from sessions_app.engine.recovery import _produced_before_loss
 from sessions_app.models import Turn
 

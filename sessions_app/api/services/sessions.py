@@ -14,7 +14,7 @@ from sessions_app.engine import events, host
 from sessions_app.engine.store import append_messages, pending_from_history, publish_stop, seed_compaction_start
 from sessions_app.models import Session, Turn
 
-from .. import admission, idempotency_keys
+from .. import admission
 from .validation import check_images, merge_options, validate_client_tools, validate_server_tools
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def session_create(
 
     `idempotency` is (Idempotency-Key, request fingerprint): a retry of the same request
     gets the same session back instead of a second one."""
-    created, row = idempotency_keys.create_once(
+    created, row = admission.create_once(
         lambda: _session_create(
             tenant=tenant, agent_config=agent_config, messages=messages, tools=tools, idempotency=idempotency
         ),
@@ -53,7 +53,7 @@ def _session_create(
 ) -> Session:
     from agents.selectors import agent_for_tenant
 
-    row = idempotency_keys.replayed(tenant, idempotency)
+    row = admission.replayed(tenant, idempotency)
     if row is not None:
         return Session(public_id=row.session_public_id)
 
@@ -72,7 +72,7 @@ def _session_create(
         append_messages(session, messages, compacted_from=seed_compaction_start(agent, messages))
         session.pending_calls = pending_from_history(messages, tools, server_refs)
         session.save(update_fields=["message_seq", "pending_calls"])
-    idempotency_keys.remember(tenant, idempotency, session.public_id)
+    admission.remember(tenant, idempotency, session.public_id)
     return session
 
 

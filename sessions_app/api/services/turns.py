@@ -15,7 +15,7 @@ from sessions_app.engine import events, queue, store
 from sessions_app.engine.recovery import finalize_if_lost
 from sessions_app.models import IdempotencyKey, Session, Turn, new_turn_id
 
-from .. import admission, idempotency_keys
+from .. import admission
 from . import sessions
 from .validation import (
     answers_for_pending,
@@ -42,7 +42,7 @@ def turn_start(
     or, for a retry with the same `idempotency` key and request, the turn it started.
     `turn_id`: the new turn's id, chosen by the caller (stream.chosen_turn_id), else a new one.
     """
-    created, row = idempotency_keys.create_once(
+    created, row = admission.create_once(
         lambda: _turn_start(tenant=tenant, session_id=session_id, data=data, idempotency=idempotency, turn_id=turn_id),
         tenant,
         idempotency,
@@ -68,7 +68,7 @@ def session_open(
 
     def create() -> tuple[str, Turn]:
         with transaction.atomic():
-            row = idempotency_keys.replayed(tenant, idempotency)
+            row = admission.replayed(tenant, idempotency)
             if row is not None:
                 return row.session_public_id, _replayed_turn(row)
             session = sessions.session_create_in_transaction(
@@ -79,7 +79,7 @@ def session_open(
             )
             return session.public_id, started
 
-    created, row = idempotency_keys.create_once(create, tenant, idempotency)
+    created, row = admission.create_once(create, tenant, idempotency)
     return created if created is not None else (row.session_public_id, _replayed_turn(row))
 
 
@@ -95,7 +95,7 @@ def _turn_start(
 ) -> Turn:
     with transaction.atomic():
         session = _lock_session(tenant, session_id)
-        row = idempotency_keys.replayed(tenant, idempotency)
+        row = admission.replayed(tenant, idempotency)
         if row is not None:
             return _replayed_turn(row)
         if session.active_turn_id is not None:
@@ -153,7 +153,7 @@ def _turn_start(
             read=(room_query.sql, room_query.params) if room_query else None,
         )
         room = room_query.room(counts) if room_query else None
-        idempotency_keys.remember(tenant, idempotency, session.public_id, turn.id)
+        admission.remember(tenant, idempotency, session.public_id, turn.id)
         # `turn_start` (event 1) before the commit: a client sees its turn begin at once, and
         # with Redis unreachable this raises, the transaction rolls back and nothing is stored.
         start_meta: dict[str, Any] = {"turnId": turn.id}
