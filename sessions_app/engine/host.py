@@ -212,6 +212,7 @@ class _Publisher:
         self._writing = False  # a batch of this turn is on its way to Redis
         self._waiting_since = 0.0  # when the oldest entry not yet taken by a write was queued
         self._expired_at: float | None = None
+        self._failing_since: float | None = None  # Redis has failed this turn's writes since
         self._yielded: float | None = None
         self.ended = False  # the stream ended without this worker: it writes nothing more
         self.task: asyncio.Task | None = None  # the turn's, set as it starts (a fence stops it)
@@ -256,8 +257,9 @@ class _Publisher:
         to AAP_STREAM_RETRY_SECONDS (PUBLISH_RETRY_SECONDS when Redis answers but refuses, e.g.
         full): a batch dropped while later ones get through would be a hole in every live
         view. The events behind it wait (their order is kept). Past that the batch is given
-        up: the stream then shows a hole, and `none` answers come from the stored turn."""
-        failing_since: float | None = None
+        up: the stream then shows a hole, and `none` answers come from the stored turn. The
+        bound is per outage, not per batch: while Redis still fails, each later batch is tried
+        once, so a turn's end waits for Redis at most that long."""
         pause = 0.1
         while True:
             now = time.monotonic()
@@ -268,11 +270,11 @@ class _Publisher:
                 self._fenced()
                 return
             except Exception as exc:
-                if failing_since is None:
-                    failing_since = now
+                if self._failing_since is None:
+                    self._failing_since = now
                     logger.warning("publishing events of %s failed; retrying", self.turn_id, exc_info=True)
                 bound = settings.AAP_STREAM_RETRY_SECONDS if events.unreachable(exc) else PUBLISH_RETRY_SECONDS
-                if now - failing_since >= bound:
+                if now - self._failing_since >= bound:
                     logger.warning(
                         "events %d-%d of %s were not published",
                         batch[0][0],
@@ -284,6 +286,7 @@ class _Publisher:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 1.0)
                 continue
+            self._failing_since = None
             if expire:
                 self._expired_at = now
             return

@@ -212,6 +212,32 @@ def test_a_batch_a_full_redis_keeps_refusing_is_given_up_and_the_turn_ends(setti
     assert fold(publisher.produced.events()) == [{"role": "assistant", "content": [{"type": "text", "text": "abc"}]}]
 
 
+def test_while_redis_stays_unreachable_later_batches_are_tried_once(settings, monkeypatch):
+    """The retry bound is per outage, not per batch: once a batch is given up while Redis is
+    still unreachable, each later batch is tried once, so the turn's end (stored by the
+    worker after its events) waits for Redis at most one bound, however many batches."""
+    from redis.exceptions import ConnectionError
+
+    settings.AAP_STREAM_RETRY_SECONDS = 0.3
+    fake = _FlakyRedis(10**6, ConnectionError("Connection refused"))
+    tries: list[int] = []
+    refuse = fake.publish_many
+
+    async def counted(turn_id, batch, *, expire=True):
+        tries.append(batch[0][0])
+        await refuse(turn_id, batch, expire=expire)
+
+    monkeypatch.setattr(fake, "publish_many", counted)
+    monkeypatch.setattr(events, "backend", lambda: fake)
+    publisher = _publish_ticks()
+    assert fake.writes == []
+    firsts = sorted(set(tries))
+    assert len(firsts) >= 2, tries  # the events came as more than one batch
+    assert tries.count(firsts[0]) > 1, tries  # the first was retried through the bound
+    assert [tries.count(seq) for seq in firsts[1:]] == [1] * (len(firsts) - 1), tries
+    assert fold(publisher.produced.events()) == [{"role": "assistant", "content": [{"type": "text", "text": "abc"}]}]
+
+
 def test_a_cancel_requested_while_a_turn_waited_stops_it_before_its_agent_runs(memory_events):
     memory_events.request_cancel_sync("turn_unit")
     running = host.RunningTurns()
