@@ -15,7 +15,7 @@ from agents.selectors import agent_info, agents_for_tenant
 from infra.errors import LimitedJSONParser
 from infra.service_errors import BadRequest, NotFound
 from sessions_app.engine import events
-from sessions_app.engine.stream import chosen_turn_id, turn_response
+from sessions_app.engine.stream import chosen_turn_id, rebuilt_response, turn_response
 from tenancy.authentication import (
     BearerTokenAuthentication,
     EventsTicketAuthentication,
@@ -244,9 +244,16 @@ class TurnEventsView(APIView):
         ).first()
         if turn is None:
             raise NotFound(f"No turn '{turn_id}' exists on session '{session_id}' for this token's tenant.")
+        mode = "delta" if turn.stream == "delta" else "message"
         if turn.status == Turn.DONE:
             last = events.backend().last_sync(turn.id)
             if last is None:
+                # Gone with Redis (a restart, a flush) or past their retention: a reader from
+                # the start gets the stream rebuilt from history; one from a later event
+                # cannot be told where it stands, and reads the stored result.
+                rebuilt = rebuilt_response(turn.id, mode) if after == 0 else None
+                if rebuilt is not None:
+                    return rebuilt
                 raise NotFound(
                     f"The events of turn '{turn_id}' are no longer kept; GET "
                     f"/v1/sessions/{session_id}/turns/{turn_id} gives its stored result."
@@ -254,9 +261,7 @@ class TurnEventsView(APIView):
             if last[1].get("event") == "turn_stop" and last[0] <= after:
                 # The reader has everything: 204 tells an EventSource to stop reconnecting.
                 return Response(status=status.HTTP_204_NO_CONTENT)
-        return turn_response(
-            turn.id, "delta" if turn.stream == "delta" else "message", after=after, token_id=request.auth.pk
-        )
+        return turn_response(turn.id, mode, after=after, token_id=request.auth.pk)
 
 
 class TurnCancelView(APIView):

@@ -724,6 +724,17 @@ def rebuilt_ending(turn_id: str, cursor: FoldCursor, mode: str) -> list[dict] | 
     return [*tail, stop]
 
 
+def rebuilt_stream(turn_id: str, mode: str) -> list[dict] | None:
+    """A finished turn's whole stream, rebuilt from history and its row, for a reader
+    re-attaching from the start once its live events are gone (a Redis restart or flush):
+    `turn_start`, the events that fold into what history keeps, `turn_stop`. None when the
+    turn is not over."""
+    ending = rebuilt_ending(turn_id, FoldCursor(), mode)
+    if ending is None:
+        return None
+    return [{"event": "turn_start", "_meta": {"turnId": turn_id}}, *ending]
+
+
 def publish_stop(turn_id: str, stop_reason: str, meta: dict, *, seq: int | None = None) -> None:
     backend = events.backend()
     event: dict[str, Any] = {"event": "turn_stop", "stopReason": stop_reason}

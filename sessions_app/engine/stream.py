@@ -3,11 +3,14 @@
 Both follow the turn's events (events.follow) on the web process's event loop, so an open
 stream costs no thread. While a turn is quiet they ping the client and check that the turn
 is still alive, ending a lost one with `error` (recovery.turn_recover_if_lost). When the
-event source fails (Redis down) they keep pinging and retrying for AAP_STREAM_RETRY_SECONDS;
-then an SSE response closes without `turn_stop` (the client re-attaches), and a `none`
-response answers from PostgreSQL if the turn has ended there. A `none` response whose events
-have a hole (lost in a Redis restart) answers from PostgreSQL too: what the client is told is
-what history holds. While a turn waits for a worker slot, its SSE stream says so every
+event source fails (Redis down) they keep pinging and retrying; past AAP_STREAM_RETRY_SECONDS
+they also ask PostgreSQL, every LIVENESS_CHECK_SECONDS, whether the turn is over. Once it is,
+a `none` response answers the stored turn, and an SSE response that has sent every event from
+the first sends the rest rebuilt from history and its `turn_stop` from the turn's row; one
+re-attached from a later event closes (its reader re-attaches from the start, or reads
+history). Only when PostgreSQL cannot say either does a response close without an ending. A
+`none` response whose events have a hole (lost in a Redis restart) answers from PostgreSQL
+too: what the client is told is what history holds. While a turn waits for a worker slot, its SSE stream says so every
 LIVENESS_CHECK_SECONDS with a comment `: queued {"position": n}` instead of `: ping`, so a
 client tells waiting from thinking.
 """
@@ -98,6 +101,7 @@ async def _follow(turn_id: str, after: int, token_id: int | None = None, watchin
     quiet = min(LIVENESS_CHECK_SECONDS, settings.AAP_SSE_PING_SECONDS)
     checked = time.monotonic()
     failing_since: float | None = None
+    ask_at = 0.0  # while the event source fails: when PostgreSQL is next asked whether the turn is over
     ended_quietly = 0  # quiet checks that found the turn over with no turn_stop in sight
     recovered, active = _Beside(_recover), _Beside(_token_active)
     try:
@@ -129,14 +133,34 @@ async def _follow(turn_id: str, after: int, token_id: int | None = None, watchin
                 now = time.monotonic()
                 if failing_since is None:
                     failing_since = now
+                    ask_at = now + settings.AAP_STREAM_RETRY_SECONDS
                     logger.warning("following turn %s failed; retrying", turn_id, exc_info=True)
-                if now - failing_since > settings.AAP_STREAM_RETRY_SECONDS:
-                    raise StreamInterrupted(type(exc).__name__) from None
+                if now >= ask_at:
+                    # The live view is gone a while: PostgreSQL says whether the turn is over. If
+                    # it is, the rest comes from history; while it runs, the stream waits.
+                    ask_at = now + LIVENESS_CHECK_SECONDS
+                    over = await _over_in_postgres(recovered, turn_id)
+                    if over:
+                        yield ENDED
+                        return
+                    if over is None:  # PostgreSQL cannot say either: the client re-attaches later
+                        raise StreamInterrupted(type(exc).__name__) from None
                 yield events.QUIET
                 await asyncio.sleep(min(1.0, quiet))
     finally:
         recovered.cancel()
         active.cancel()
+
+
+async def _over_in_postgres(recovered: _Beside, turn_id: str) -> bool | None:
+    """Whether the turn is over in PostgreSQL (ending it if it is lost); None when
+    PostgreSQL cannot say (unreachable, or stalled past the check's wait)."""
+    try:
+        over = await recovered.answer(turn_id)
+    except OUTAGE_ERRORS:
+        logger.warning("turn %s: PostgreSQL cannot say whether it is over", turn_id, exc_info=True)
+        return None
+    return None if over is PENDING else bool(over)
 
 
 async def _still_queued(turn_id: str) -> dict | None:
@@ -285,14 +309,30 @@ async def json_result(turn_id: str, token_id: int | None = None, watching: event
 HANDOFF_HEADER = "X-AAP-Turn-Stream"
 
 
-def turn_response(turn_id: str, mode: str, *, after: int = 0, token_id: int | None = None) -> HttpResponse:
-    response = HttpResponse(content_type="application/json" if mode == "none" else "text/event-stream")
+def _response_head(turn_id: str, mode: str, body: bytes = b"") -> HttpResponse:
+    response = HttpResponse(body, content_type="application/json" if mode == "none" else "text/event-stream")
     if mode != "none":
         response["X-Accel-Buffering"] = "no"
     response["Cache-Control"] = "no-cache"
     response["AAP-Turn-Id"] = turn_id
+    return response
+
+
+def turn_response(turn_id: str, mode: str, *, after: int = 0, token_id: int | None = None) -> HttpResponse:
+    response = _response_head(turn_id, mode)
     response[HANDOFF_HEADER] = f"{turn_id} {mode} {after} {token_id or 0}"
     return response
+
+
+def rebuilt_response(turn_id: str, mode: str) -> HttpResponse | None:
+    """The whole SSE stream of a finished turn whose live events are gone, rebuilt from
+    history and its row (store.rebuilt_stream), for a reader re-attaching from the start; None
+    when the turn is not over."""
+    rebuilt = store.rebuilt_stream(turn_id, mode)
+    if rebuilt is None:
+        return None
+    logger.warning("turn %s: its events are gone; its stream was rebuilt from history", turn_id)
+    return _response_head(turn_id, mode, b"".join(sse_frame(seq, event) for seq, event in enumerate(rebuilt, 1)))
 
 
 # Requests that start a turn (by method): the hand-off chooses the new turn's id and watches

@@ -1,4 +1,5 @@
-"""Redis restarted or full under running turns, and sessions deleted while their turn runs.
+"""Redis restarted, down across turns' ends, or full under running turns, and sessions deleted
+while their turn runs.
 
 What a client is told must be what history keeps: a batch of events a worker could not
 write is written again, a `none` answer is checked against the stored turn, a full Redis
@@ -21,6 +22,7 @@ from ..support import fold_events, parse_sse
 from .faults import (
     Database,
     client,
+    final_stop,
     history,
     new_sessions,
     next_turn_works,
@@ -104,6 +106,48 @@ def test_redis_restart_mid_turn_keeps_every_answer_equal_to_history(chaos):
     assert not wrong, f"answers that differ from history: {wrong}"
     rows = db.turn_statuses([o.turn_id for o in outcomes])
     assert {status for status, _ in rows.values()} == {"done"}, rows
+    for session in sessions[:3]:
+        assert next_turn_works(chaos, session, "after").body["stopReason"] == "end_turn"
+
+
+def test_turns_that_end_while_redis_is_down_tell_their_clients_what_history_keeps(chaos):
+    """Redis is killed while 6 turns (2 per stream mode) run, and stays down until each has
+    ended in PostgreSQL: their workers store every ending but can publish none of it. Redis
+    comes back empty. Every client is then told, once, the ending history keeps: the JSON
+    answer, or its stream (re-attached from its last event id, as an EventSource does) folds
+    into exactly the stored answer and ends on the stored stop reason. A client re-attaching
+    after the end gets that `turn_stop`, never a 404; nothing answers 500."""
+    chaos.ensure_up()
+    db = Database(chaos.pg.url)
+    sessions = new_sessions(chaos, 6)
+    modes = [MODES[i % 3] for i in range(6)]
+    text = "/slow 6 250"
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(post_turn, chaos, s, text, stream=m) for s, m in zip(sessions, modes)]
+        _until_running(db, sessions)
+        chaos.redis.stop()
+        try:
+            _until_running(db, sessions, timeout=60, statuses=("done",))  # each ends while Redis is down
+            refused = post_turn(chaos, sessions[0], "while redis is down")
+        finally:
+            chaos.redis.start()
+        outcomes = [f.result(timeout=120) for f in futures]
+    no_server_errors([refused, *outcomes])
+    assert refused.status == 503, refused.raw[-300:]
+    rows = db.turn_statuses([o.turn_id for o in outcomes])
+    assert {status for status, _ in rows.values()} == {"done"}, rows
+    wrong = []
+    for session, mode, outcome in zip(sessions, modes, outcomes):
+        assert outcome.error is None and outcome.status == 200, (mode, outcome.status, outcome.error)
+        answer, stops = _answer(chaos, session, outcome, mode)
+        assert stops == 1, (mode, outcome.raw[-500:])
+        kept = history(chaos, session)
+        assert kept == user(text) + ticks(6), (mode, kept)
+        if answer != kept[1:]:
+            wrong.append((mode, answer))
+        stop = final_stop(chaos, session, outcome.turn_id)  # a client re-attaching after the end
+        assert stop["stopReason"] == "end_turn", (mode, stop)
+    assert not wrong, f"answers that differ from history: {wrong}"
     for session in sessions[:3]:
         assert next_turn_works(chaos, session, "after").body["stopReason"] == "end_turn"
 
