@@ -8,11 +8,11 @@ they also ask PostgreSQL, every LIVENESS_CHECK_SECONDS, whether the turn is over
 a `none` response answers the stored turn, and an SSE response that has sent every event from
 the first sends the rest rebuilt from history and its `turn_stop` from the turn's row; one
 re-attached from a later event closes (its reader re-attaches from the start, or reads
-history). Only when PostgreSQL cannot say either does a response close without an ending. A
-`none` response whose events have a hole (lost in a Redis restart) answers from PostgreSQL
-too: what the client is told is what history holds. While a turn waits for a worker slot, its SSE stream says so every
-LIVENESS_CHECK_SECONDS with a comment `: queued {"position": n}` instead of `: ping`, so a
-client tells waiting from thinking.
+history). Only when PostgreSQL is unreachable too does a response close without an ending.
+A `none` response whose events have a hole (lost in a Redis restart) answers from PostgreSQL
+too: what the client is told is what history holds. While a turn waits for a worker slot, its
+SSE stream says so every LIVENESS_CHECK_SECONDS with a comment `: queued {"position": n}`
+instead of `: ping`, so a client tells waiting from thinking.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ async def _follow(turn_id: str, after: int, token_id: int | None = None, watchin
                     if over:
                         yield ENDED
                         return
-                    if over is None:  # PostgreSQL cannot say either: the client re-attaches later
+                    if over is None:  # PostgreSQL is unreachable too: the client re-attaches later
                         raise StreamInterrupted(type(exc).__name__) from None
                 yield events.QUIET
                 await asyncio.sleep(min(1.0, quiet))
@@ -153,14 +153,14 @@ async def _follow(turn_id: str, after: int, token_id: int | None = None, watchin
 
 
 async def _over_in_postgres(recovered: _Beside, turn_id: str) -> bool | None:
-    """Whether the turn is over in PostgreSQL (ending it if it is lost); None when
-    PostgreSQL cannot say (unreachable, or stalled past the check's wait)."""
+    """Whether the turn is over in PostgreSQL (ending it if it is lost): False while the
+    check waits on a slow PostgreSQL (asked again later); None when PostgreSQL is unreachable."""
     try:
         over = await recovered.answer(turn_id)
     except OUTAGE_ERRORS:
         logger.warning("turn %s: PostgreSQL cannot say whether it is over", turn_id, exc_info=True)
         return None
-    return None if over is PENDING else bool(over)
+    return over is True
 
 
 async def _still_queued(turn_id: str) -> dict | None:

@@ -189,3 +189,79 @@ def test_a_follower_does_not_read_again_for_events_its_read_already_gave(monkeyp
     reads.clear()
     assert asyncio.run(asyncio.wait_for(followed(PublishedDuringTheRead(True)), 5)) == [(1, start), (2, a), (3, stop)]
     assert reads == [0, 2]  # positive control: a wake-up without events reads again
+
+
+# --- a stream whose Redis stays down: past the retry window PostgreSQL says how it ends ---
+
+
+@pytest.fixture
+def redis_down(monkeypatch, settings):
+    """The event source fails as an unreachable Redis does, for good; the retry window and
+    the liveness interval are zero, so PostgreSQL is asked at once and on every retry.
+    Returns what the turn's checks answer, in order (True: over; an exception: raised)."""
+    from sessions_app.engine import stream
+
+    async def unreachable(*args, **kwargs):
+        raise ConnectionError("Connection refused")
+        yield  # an async generator, as events.follow is
+
+    answers: list = []
+
+    async def recover(turn_id):
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(stream.events, "follow", unreachable)
+    monkeypatch.setattr(stream, "_recover", recover)
+    monkeypatch.setattr(stream, "LIVENESS_CHECK_SECONDS", 0.0)
+    settings.AAP_STREAM_RETRY_SECONDS = 0.0
+    settings.AAP_SSE_PING_SECONDS = 0.0
+    return answers
+
+
+async def _collect(body) -> list:
+    return [item async for item in body]
+
+
+def test_a_none_answer_waits_for_the_turn_in_postgresql_while_redis_is_down(redis_down, monkeypatch):
+    """Not blanks and a closed connection: the stored turn, once PostgreSQL has it."""
+    import asyncio
+    import json
+
+    from sessions_app.engine import stream
+
+    stored = {"stopReason": "end_turn", "messages": [], "_meta": {"turnId": "turn_unit"}}
+
+    async def result(turn_id):  # turn_result: None until the turn is over
+        return stored if redis_down == [True] else None
+
+    monkeypatch.setattr(stream, "_stored_result", result)
+    redis_down.extend([False, False, False, True])  # running for three checks, then over
+    chunks = asyncio.run(_collect(stream.json_result("turn_unit")))
+    assert json.loads(b"".join(chunks)) == stored
+    assert redis_down == [True]  # it asked until the turn was over
+
+
+def test_a_stream_ends_from_history_once_its_turn_is_over_while_redis_is_down(redis_down):
+    import asyncio
+
+    from sessions_app.engine import stream
+
+    redis_down.extend([False, True])
+    items = asyncio.run(_collect(stream._follow("turn_unit", 0)))
+    assert items[-1] is stream.ENDED
+    assert all(item is stream.events.QUIET for item in items[:-1])  # pings meanwhile
+
+
+def test_a_stream_closes_when_postgresql_is_unreachable_too(redis_down):
+    import asyncio
+
+    import psycopg
+
+    from sessions_app.engine import stream
+
+    redis_down.append(psycopg.OperationalError("connection refused"))
+    with pytest.raises(stream.StreamInterrupted):
+        asyncio.run(_collect(stream._follow("turn_unit", 0)))
