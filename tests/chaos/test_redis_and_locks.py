@@ -76,6 +76,26 @@ def _answer(chaos, session: str, outcome, mode: str) -> tuple[list[dict], int]:
     return fold_events(body), len([e for e in events if e.event == "turn_stop"])
 
 
+def _told_what_history_keeps(chaos, sessions, modes, outcomes, text: str, count: int, *, reattach=False) -> None:
+    """Each turn answered 200 and its client was told one `turn_stop`; what it was told (the
+    JSON answer, or its stream's fold, re-attached where it closed) is exactly what history
+    keeps: `text`, then `count` ticks. `reattach`: a client re-attaching from the start after
+    the end is told the same ending."""
+    wrong = []
+    for session, mode, outcome in zip(sessions, modes, outcomes):
+        assert outcome.error is None and outcome.status == 200, (mode, outcome.status, outcome.error)
+        answer, stops = _answer(chaos, session, outcome, mode)
+        assert stops == 1, (mode, outcome.raw[-500:])
+        kept = history(chaos, session)
+        assert kept == user(text) + ticks(count), (mode, kept)
+        if answer != kept[1:]:
+            wrong.append((mode, answer))
+        if reattach:
+            stop = final_stop(chaos, session, outcome.turn_id)
+            assert stop["stopReason"] == "end_turn", (mode, stop)
+    assert not wrong, f"answers that differ from history: {wrong}"
+
+
 def test_redis_restart_mid_turn_keeps_every_answer_equal_to_history(chaos):
     """Redis is killed while 15 turns (5 per stream mode) write their events, and started
     again a second later. Every turn ends once, `end_turn`, and what its client was told —
@@ -94,16 +114,7 @@ def test_redis_restart_mid_turn_keeps_every_answer_equal_to_history(chaos):
         chaos.redis.start()
         outcomes = [f.result(timeout=120) for f in futures]
     no_server_errors(outcomes)
-    wrong = []
-    for session, mode, outcome in zip(sessions, modes, outcomes):
-        assert outcome.error is None and outcome.status == 200, (mode, outcome.status, outcome.error)
-        answer, stops = _answer(chaos, session, outcome, mode)
-        assert stops == 1, (mode, outcome.raw[-500:])
-        kept = history(chaos, session)
-        assert kept == user("/slow 16 250") + ticks(16), (mode, kept)
-        if answer != kept[1:]:
-            wrong.append((mode, answer))
-    assert not wrong, f"answers that differ from history: {wrong}"
+    _told_what_history_keeps(chaos, sessions, modes, outcomes, "/slow 16 250", 16)
     rows = db.turn_statuses([o.turn_id for o in outcomes])
     assert {status for status, _ in rows.values()} == {"done"}, rows
     for session in sessions[:3]:
@@ -136,18 +147,7 @@ def test_turns_that_end_while_redis_is_down_tell_their_clients_what_history_keep
     assert refused.status == 503, refused.raw[-300:]
     rows = db.turn_statuses([o.turn_id for o in outcomes])
     assert {status for status, _ in rows.values()} == {"done"}, rows
-    wrong = []
-    for session, mode, outcome in zip(sessions, modes, outcomes):
-        assert outcome.error is None and outcome.status == 200, (mode, outcome.status, outcome.error)
-        answer, stops = _answer(chaos, session, outcome, mode)
-        assert stops == 1, (mode, outcome.raw[-500:])
-        kept = history(chaos, session)
-        assert kept == user(text) + ticks(6), (mode, kept)
-        if answer != kept[1:]:
-            wrong.append((mode, answer))
-        stop = final_stop(chaos, session, outcome.turn_id)  # a client re-attaching after the end
-        assert stop["stopReason"] == "end_turn", (mode, stop)
-    assert not wrong, f"answers that differ from history: {wrong}"
+    _told_what_history_keeps(chaos, sessions, modes, outcomes, text, 6, reattach=True)
     for session in sessions[:3]:
         assert next_turn_works(chaos, session, "after").body["stopReason"] == "end_turn"
 
