@@ -100,15 +100,15 @@ async def _follow(turn_id: str, after: int, token_id: int | None = None, watchin
     after a failure watches and reads anew."""
     quiet = min(LIVENESS_CHECK_SECONDS, settings.AAP_SSE_PING_SECONDS)
     checked = time.monotonic()
-    failing_since: float | None = None
-    ask_at = 0.0  # while the event source fails: when PostgreSQL is next asked whether the turn is over
+    # While the event source fails: when PostgreSQL is next asked whether the turn is over.
+    ask_at: float | None = None
     ended_quietly = 0  # quiet checks that found the turn over with no turn_stop in sight
     recovered, active = _Beside(_recover), _Beside(_token_active)
     try:
         while True:
             try:
                 async for item in events.follow(turn_id, after, quiet_seconds=quiet, watching=watching):
-                    failing_since = None
+                    ask_at = None
                     if token_id is not None and time.monotonic() - checked >= LIVENESS_CHECK_SECONDS:
                         valid = await active.answer(token_id, patient=item is events.QUIET)
                         if valid is not PENDING:
@@ -131,8 +131,7 @@ async def _follow(turn_id: str, after: int, token_id: int | None = None, watchin
             except OUTAGE_ERRORS as exc:  # Redis or PostgreSQL unreachable: retry, pinging meanwhile
                 watching = None
                 now = time.monotonic()
-                if failing_since is None:
-                    failing_since = now
+                if ask_at is None:
                     ask_at = now + settings.AAP_STREAM_RETRY_SECONDS
                     logger.warning("following turn %s failed; retrying", turn_id, exc_info=True)
                 if now >= ask_at:
